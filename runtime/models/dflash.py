@@ -1,0 +1,341 @@
+"""DFlash block-diffusion drafter (z-lab, arXiv 2602.06036) in PyTorch, faithful to the public checkpoint format.
+
+Checkpoint format (``z-lab/Qwen3-8B-DFlash-b16`` and peers; ../shared/reference/drafters.md §1.4, §6.1):
+``config.json`` = Qwen3Config fields + ``block_size`` + ``dflash_config: {mask_token_id, target_layer_ids}``;
+safetensors keys without a ``model.`` prefix: ``fc``, ``hidden_norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``,
+``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``,
+``layers.{i}.{input,post_attention}_layernorm``, ``norm``. Embedding and LM head are borrowed from the target.
+
+Mask token for targets without a spare id (sharpdraft's scheme, the way vLLM accepts MiMo's separate mask
+embedding): the checkpoint may carry one extra tensor ``mask_embedding`` ``[hidden]`` and set
+``dflash_config.mask_token_id`` to ``vocab_size`` (one past the target vocabulary). Block slots holding that id
+are embedded with ``mask_embedding`` instead of a row of the target's table. SmolLM2 has no unused id, so the demo
+drafter uses this scheme; checkpoints whose mask id is a real vocabulary row (Qwen3's 151669) load unchanged.
+
+SharpDraft: the query of every block slot is multiplied by beta(N) after ``q_norm`` (and RoPE), N = s + B:
+all s committed context keys plus the B block keys (non-causal).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CheckpointError(RuntimeError):
+    """A drafter checkpoint is missing, corrupt or does not match its config; the message says what to do."""
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default taps when the config omits them: spread over [1, L-3]; one draft layer -> [L // 2]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclasses.dataclass(slots=True)
+class DFlashConfig:
+    """Fields of a DFlash ``config.json`` that the drafter uses (others are kept in ``extra``)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    query_scale: dict | None = None  # sharpdraft extension: a QueryScaleProfile dict suited to this drafter
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (bonus slot + at least one draft slot), got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if not self.target_layer_ids or any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} must be non-empty and within "
+                             f"[0, num_target_layers={self.num_target_layers})")
+
+    @property
+    def uses_mask_embedding(self) -> bool:
+        return self.mask_token_id >= self.vocab_size
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """Parse a DFlash ``config.json`` dict (Qwen3Config + DFlash fields). Raises CheckpointError if incomplete."""
+        d = dict(d)
+        dcfg = d.pop("dflash_config", None) or {}
+        try:
+            rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1_000_000.0
+            n_layers = int(d["num_hidden_layers"])
+            n_target = int(d.get("num_target_layers") or d["num_hidden_layers"])
+            ids = dcfg.get("target_layer_ids") or build_target_layer_ids(n_target, n_layers)
+            known = dict(
+                hidden_size=int(d["hidden_size"]), num_hidden_layers=n_layers,
+                num_attention_heads=int(d["num_attention_heads"]),
+                num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+                head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
+                intermediate_size=int(d["intermediate_size"]), vocab_size=int(d["vocab_size"]),
+                block_size=int(d["block_size"]), mask_token_id=int(dcfg["mask_token_id"]),
+                target_layer_ids=[int(i) for i in ids], num_target_layers=n_target,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+                max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+                attention_bias=bool(d.get("attention_bias", False)), query_scale=d.get("sharpdraft_query_scale"))
+        except KeyError as e:
+            raise CheckpointError(f"DFlash config is missing field {e.args[0]!r} (dflash_config.mask_token_id and "
+                                  "block_size are required)") from e
+        layer_types = d.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise CheckpointError(f"layer_types {layer_types}: sliding-window DFlash layers are not supported yet")
+        keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale"}
+        return cls(**known, extra={k: v for k, v in d.items() if k not in keys})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``config.json`` dict in the public DFlash layout."""
+        out = dict(self.extra)
+        out.update(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=self.hidden_size,
+                   num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                   num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                   intermediate_size=self.intermediate_size, vocab_size=self.vocab_size, block_size=self.block_size,
+                   num_target_layers=self.num_target_layers, rms_norm_eps=self.rms_norm_eps,
+                   rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
+                   attention_bias=self.attention_bias, hidden_act="silu",
+                   layer_types=["full_attention"] * self.num_hidden_layers,
+                   dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids})
+        if self.query_scale is not None:
+            out["sharpdraft_query_scale"] = self.query_scale
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """NeoX-style RoPE tables. position_ids ``[batch, seq]`` int64 -> cos, sin ``[batch, 1, seq, head_dim]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [batch, seq, head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.scaling = hd ** -0.5
+        self.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.hd).transpose(1, 2)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K/V of context features ``ctx`` [batch, c, hidden] -> two ``[batch, kv_heads, c, head_dim]``."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.nkv)), cos, sin)
+        return k, self._heads(self.v_proj(ctx), self.nkv)
+
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None):
+        """Non-causal block attention.
+
+        Args:
+            x: normalised block states ``[batch, B, hidden]``.
+            ctx_k, ctx_v: context K/V ``[batch, kv_heads, s, head_dim]`` (cached + new context rows).
+            cos, sin: RoPE tables of the block positions ``[batch, 1, B, head_dim]``.
+            attn_mask: optional additive/bool mask ``[batch or 1, 1, B, s + B]`` (training only); None = all visible.
+            query_scale: beta, a float or a tensor broadcastable to ``[batch, 1, B, 1]``; None = 1.
+        Returns:
+            ``[batch, B, hidden]``.
+        """
+        b, q_len, _ = x.shape
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.nh)), cos, sin)
+        if query_scale is not None:
+            q = q * query_scale  # SharpDraft: after q_norm and RoPE (RoPE is linear), before attention
+        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.nkv)), cos, sin)
+        v_blk = self._heads(self.v_proj(x), self.nkv)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        rep = self.nh // self.nkv
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [batch, heads, B, s + B]
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
+        return self.o_proj(out)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None):
+        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, attn_mask, query_scale)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter body: ``fc``/``hidden_norm`` context projector, ``layers``, ``norm`` (+ ``mask_embedding``)."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(h)) if cfg.uses_mask_embedding else None
+
+    def embed_block(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+        """Embed block ids ``[batch, B]`` int64 with the target's table ``[vocab, hidden]`` -> ``[batch, B, hidden]``.
+
+        Ids equal to ``mask_token_id`` use ``mask_embedding`` when the checkpoint carries one.
+        """
+        if self.mask_embedding is None:
+            return F.embedding(block_ids, embed_weight)
+        is_mask = (block_ids == self.config.mask_token_id)[..., None]
+        emb = F.embedding(block_ids.clamp(max=embed_weight.shape[0] - 1), embed_weight)
+        return torch.where(is_mask, self.mask_embedding.to(emb.dtype), emb)
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Tapped target features ``[batch, c, len(ids) * hidden]`` -> context states ``[batch, c, hidden]``."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(self, block_embeds, target_hidden, position_ids, past_kv=None, query_scale=None):
+        """One draft step (inference form, cached context K/V).
+
+        Args:
+            block_embeds: ``[batch, B, hidden]`` block embeddings (bonus token + masks).
+            target_hidden: ``[batch, c_new, len(target_layer_ids) * hidden]`` features of context positions not yet
+                in ``past_kv`` (c_new may be 0).
+            position_ids: ``[batch, c_new + B]`` int64 absolute positions of those context rows, then the block.
+            past_kv: list over layers of (k, v) ``[batch, kv_heads, c_past, head_dim]`` or None.
+            query_scale: beta (see :meth:`DFlashAttention.forward`); None = frozen drafter.
+        Returns:
+            (hidden ``[batch, B, hidden]`` after ``norm``, new_kv: per layer (k, v) over c_past + c_new context rows;
+            block K/V are never cached, so the cache never holds unverified keys).
+        """
+        c_new = target_hidden.shape[1]
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
+        ctx = self.project_context(target_hidden)
+        h, new_kv = block_embeds, []
+        for i, layer in enumerate(self.layers):
+            k_new, v_new = layer.self_attn.context_kv(ctx, cos[:, :, :c_new], sin[:, :, :c_new])
+            if past_kv is not None:
+                k_new = torch.cat([past_kv[i][0], k_new], dim=2)
+                v_new = torch.cat([past_kv[i][1], v_new], dim=2)
+            new_kv.append((k_new, v_new))
+            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], None, query_scale)
+        return self.norm(h), new_kv
+
+
+def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Load a DFlash checkpoint folder (``config.json`` + ``*.safetensors``) in the public key layout.
+
+    Raises:
+        CheckpointError: folder/config/weights missing or unreadable, or keys/shapes not matching the config
+        (missing and unexpected keys are listed).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json; a DFlash checkpoint folder holds config.json and "
+                              "model.safetensors")
+    try:
+        cfg = DFlashConfig.from_dict(json.loads(cfg_file.read_text()))
+    except (json.JSONDecodeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{cfg_file}: invalid DFlash config: {e}") from e
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights next to config.json")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e}); re-download or re-train it") \
+                from e
+    for old, new in (("midlayer.", "layers.0."), ("encoder.fc.", "fc.")):  # third-party variants (vLLM mapping)
+        state = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
+    model = DFlashDrafter(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+           if k in state and state[k].shape != v.shape]
+    if bad:
+        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")
+    model.load_state_dict(state, strict=strict)
+    return model.to(dtype).eval()
+
+
+def save_dflash(model: DFlashDrafter, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the public DFlash layout (plus ``mask_embedding``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, path / "model.safetensors", metadata=metadata or {"format": "pt"})

