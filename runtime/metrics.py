@@ -1,0 +1,53 @@
+"""Speculative-decoding statistics, defined once.
+
+Mean accepted length (MAL) = tokens committed per verify round = 1 + accepted draft tokens per round, the bonus
+token included (vLLM's ``mean acceptance length``). Acceptance per draft position j = fraction of rounds in which
+draft token j (1-based) was accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(slots=True)
+class SpecStats:
+    num_draft_tokens_per_round: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0  # wall time after prefill (drafting + verifying + loop overhead)
+    new_tokens: int = 0
+
+    def record_round(self, num_accepted: int) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.num_draft_tokens_per_round
+        self.rounds += 1
+        self.accepted += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """MAL, bonus included: 1 + accepted / rounds (0 when no round ran)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.rounds for a in self.accepted_per_position] if self.rounds else []
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time, prefill included."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"mean_accepted_length": round(self.mean_accepted_length, 4), "rounds": self.rounds,
+                "accepted_draft_tokens": self.accepted, "num_draft_tokens_per_round": self.num_draft_tokens_per_round,
+                "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
+                "new_tokens": self.new_tokens, "tokens_per_s": round(self.tokens_per_s, 3),
+                "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
+                "verify_s": round(self.verify_s, 4), "decode_s": round(self.decode_s, 4)}

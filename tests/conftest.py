@@ -1,0 +1,104 @@
+"""Shared fixtures: a tiny random-weight Llama target and a tiny DFlash checkpoint in the public format.
+
+The tiny target reuses SmolLM2's real tokenizer (vocab 49152) so tokenization paths are the real ones; its weights
+are random (seeded), which is enough for losslessness, invariants, graph and error tests. The real default pair is
+exercised in tests/e2e.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TINY_VOCAB = 49152
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from runtime.models.target import resolve_target
+
+    return AutoTokenizer.from_pretrained(resolve_target(None))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return _tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=2, rope_theta=10000.0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the default init, so greedy chains are not all ties
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+    path = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_tiny_dflash(path: Path, *, mask_embedding: bool = True, block_size: int = 4, seed: int = 1,
+                      query_scale: dict | None = None) -> Path:
+    """Write a tiny DFlash checkpoint in exactly the public layout (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, nh, nkv, hd, inter, layers = 64, 4, 2, 16, 96, 2
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h,
+           "num_hidden_layers": layers, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd,
+           "intermediate_size": inter, "vocab_size": TINY_VOCAB, "block_size": block_size,
+           "num_target_layers": 4, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "max_position_embeddings": 4096, "attention_bias": False, "hidden_act": "silu",
+           "layer_types": ["full_attention"] * layers, "tie_word_embeddings": False,
+           "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+           "dflash_config": {"mask_token_id": TINY_VOCAB if mask_embedding else 7, "target_layer_ids": [0, 2]}}
+    if query_scale is not None:
+        cfg["sharpdraft_query_scale"] = query_scale
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    state = {"fc.weight": w(h, 2 * h), "hidden_norm.weight": 1 + w(h), "norm.weight": 1 + w(h)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        state.update({p + "self_attn.q_proj.weight": w(nh * hd, h), p + "self_attn.k_proj.weight": w(nkv * hd, h),
+                      p + "self_attn.v_proj.weight": w(nkv * hd, h), p + "self_attn.o_proj.weight": w(h, nh * hd),
+                      p + "self_attn.q_norm.weight": 1 + w(hd), p + "self_attn.k_norm.weight": 1 + w(hd),
+                      p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+                      p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": 1 + w(h),
+                      p + "post_attention_layernorm.weight": 1 + w(h)})
+    if mask_embedding:
+        state["mask_embedding"] = w(h)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash_dir(tmp_path_factory) -> Path:
+    return write_tiny_dflash(tmp_path_factory.mktemp("tiny_dflash"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
+    """An engines/ folder exported from the tiny pair (ref_keys 64 keeps validation shapes small)."""
+    from export.pipeline import ExportConfig, run_export
+
+    out = tmp_path_factory.mktemp("engines") / "engines"
+    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+                            ref_keys=64))
+    return out
