@@ -133,5 +133,6 @@ def export_drafter(drafter: DFlashDrafter, path: Path) -> dict:
            [{0: batch, 2: past_len} for _ in range(2 * n)], {}, {})
     inputs = ["input_ids", "target_hidden", "position_ids", *kv_names(n, "past"), "embed_weight", "lm_head_weight"]
     outputs = ["logits", *kv_names(n, "present")]
-    _export(DrafterForExport(drafter).eval(), (ids, th, pos, past, emb, emb), inputs, outputs, dyn, path)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size)  # a distinct tensor: aliased inputs would be merged
+    _export(DrafterForExport(drafter).eval(), (ids, th, pos, past, emb, head), inputs, outputs, dyn, path)
     return {"inputs": inputs, "outputs": outputs}

@@ -3,7 +3,8 @@
 Pipeline (each step's output feeds the next; rules are independent of each other, so their order is free):
 1. collect: every rule's ``pattern`` + ``check`` over the graph's nodes; queries already fed by a tagged
    ``Mul`` count as ``already_scaled`` (idempotency), the rest are to do.
-2. group: attentions whose N is the same symbolic or static dim share one beta subgraph (see ``_group``).
+2. group: attentions whose N is the same symbolic or static dim (or the very same key values) share one beta
+   subgraph (see ``_group``).
 3. rewrite: per group, N -> beta (``export/rules/beta_graph.py``); per attention, ``Mul`` on the query.
 4. ``graph.sort()`` and record the profile in ``metadata_props["sharpdraft.query_scale"]``.
 """
@@ -58,6 +59,7 @@ def insert_query_scale(model: ir.Model, profile: QueryScaleProfile) -> dict[str,
             rejected and why); or the model is already scaled under a different (or unrecorded) profile.
     """
     graph = model.graph
+    graph.sort()  # _group relies on topological order (NOTE Acyclic-Source)
     found = _collect(graph)
     _check_recorded_profile(model, profile, found.already)
     counts = {rule.name: 0 for rule in RULES} | {"beta_subgraphs": 0, "already_scaled": len(found.already)}
@@ -137,9 +139,10 @@ def _rewrite(graph: ir.Graph, todo: list[AttentionMatch], profile: QueryScalePro
 def _group(graph: ir.Graph, matches: list[AttentionMatch]) -> list[list[AttentionMatch]]:
     """Split matches into groups sharing one N; the first match of each group is its source.
 
-    Matches with equal ``group_key`` share, unless the source's key values depend on a member's attention (then
-    the member's Mul would feed its own N: a cycle); those, and matches with an unknown key, stand alone.
-    Example: keys ("keys", ("sym", "s0 + 8")) x2 and None -> [[m0, m1], [m2]].
+    Matches with equal ``group_key`` share the N computed from the source: the match whose key values are
+    produced first. NOTE(sharpdraft): Acyclic-Source. The graph is toposorted, so every member's key values, hence
+    its anchor, come after the source's key values; the source's N therefore never depends on a member's Mul.
+    Example: keys ("keys", ("sym", "s0 + 8")) x2 and ("keys", ("static", 9)) -> [[m0, m1], [m2]].
     """
     order = {node: i for i, node in enumerate(graph)}
 
@@ -148,28 +151,9 @@ def _group(graph: ir.Graph, matches: list[AttentionMatch]) -> list[list[Attentio
 
     buckets: dict[object, list[AttentionMatch]] = {}
     for k, match in enumerate(matches):
-        key = match.group_key if match.group_key is not None else ("unknown", k)
+        key = match.group_key if match.group_key is not None else ("own", k)
         buckets.setdefault(key, []).append(match)
-    groups: list[list[AttentionMatch]] = []
-    for members in buckets.values():
-        members.sort(key=position)
-        upstream = _ancestors(members[0].key_sources)
-        groups.append([m for m in members if m.anchor not in upstream])
-        groups.extend([m] for m in members if m.anchor in upstream)
-    return groups
-
-
-def _ancestors(values: tuple[ir.Value, ...]) -> set[ir.Node]:
-    """Every node that ``values`` depend on."""
-    seen: set[ir.Node] = set()
-    stack = [v.producer() for v in values]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(v.producer() for v in node.inputs if v is not None)
-    return seen
+    return [sorted(members, key=position) for members in buckets.values()]
 
 
 def _profile_json(profile: QueryScaleProfile) -> str:

@@ -39,11 +39,11 @@ def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                       pad_token_id=2, rope_theta=10000.0)
     model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper logits than the default init, so greedy chains are not all ties
-        model.model.embed_tokens.weight.normal_(0, 1.0)
+    with torch.no_grad():  # untied, sharper LM head: greedy chains vary (a tied random model repeats its input)
+        model.lm_head.weight.normal_(0, 1.0)
     path = tmp_path_factory.mktemp("tiny_target")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -42,7 +42,8 @@ def decomposed_two_layer(with_value_info: bool = True) -> onnx.ModelProto:
 
     Layer 0: softmax(q @ K0^T * scale + mask) @ V0.  Layer 1 (torch SDPA decomposition form):
     softmax(Where(keep, (q1 * sqrt(scale)) @ (K1^T * sqrt(scale)), -1e9)) @ V1 with q1 = q + out0.
-    Inputs q, k{l}, v{l} [1, H, q_len, D]; past_{k,v}{l} [1, H, past, D]; mask [1, 1, q_len, N]; keep bool [1, 1, q_len, N].
+    Inputs q, k{l}, v{l} [1, H, q_len, D]; past_{k,v}{l} [1, H, past, D]; mask [1, 1, q_len, N] float;
+    keep [1, 1, q_len, N] bool.
     """
     n_dim = "past + q_len"
     nodes = [_const("scale", np.array(SCALE, np.float32)), _const("sqrt_scale", np.array(SCALE ** 0.5, np.float32)),
@@ -178,9 +179,9 @@ def test_decomposed_matches_numpy_reference(profile, num_keys):
 def test_decomposed_beta_is_computed_at_run_time():
     """One rewritten model, two key lengths, two betas (N is not folded to the dummy length)."""
     model, _ = rewritten(decomposed_two_layer(), DEFAULT)
-    (beta_name,) = expose_betas(model)
+    assert len(expose_betas(model)) == 1  # one shared beta
     for num_keys in (2049, 8190, 40960):
-        out, beta = run(model, decomposed_feeds(num_keys))
+        _, beta = run(model, decomposed_feeds(num_keys))
         np.testing.assert_allclose(beta, DEFAULT.beta(num_keys), atol=1e-6, rtol=1e-6)
     assert DEFAULT.beta(2049) < DEFAULT.beta(8190) < DEFAULT.beta(40960)
 
@@ -194,6 +195,41 @@ def test_decomposed_without_shape_info_uses_castlike_and_own_subgraphs():
     assert sorted(casts) == ["Cast", "Cast", "Cast", "CastLike"]  # 2 x Cast(N -> float), Cast(beta), CastLike(beta)
     feeds = decomposed_feeds(300)
     np.testing.assert_allclose(run(model, feeds)[0], decomposed_reference(feeds, SMALL), atol=ATOL, rtol=RTOL)
+
+
+def test_decomposed_fp16_query_gets_fp16_beta():
+    """fp16 scores cast to fp32 for the softmax and back: beta is computed in fp32 and cast to fp16 for the Mul."""
+    h = TensorProto.FLOAT16
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Cast", ["s"], ["s32"], to=F),
+             helper.make_node("Softmax", ["s32"], ["p32"]),
+             helper.make_node("Cast", ["p32"], ["p"], to=h), helper.make_node("MatMul", ["p", "k"], ["y"])]
+    dims = [1, HEADS, "n", HEAD_DIM]
+    graph = helper.make_graph(nodes, "fp16", [_vi("q", h, [1, HEADS, "q_len", HEAD_DIM]), _vi("k", h, dims)],
+                              [_vi("y", h, [1, HEADS, "q_len", HEAD_DIM])],
+                              value_info=[_vi("kt", h, [1, HEADS, HEAD_DIM, "n"])])
+    model, counts = rewritten(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), SMALL)
+    assert counts["DecomposedAttentionQueryScale"] == 1
+    (mul,) = [n for n in model.graph if is_query_scale_mul(n)]
+    assert mul.inputs[1].producer().attributes["to"].value == ir.DataType.FLOAT16
+    rng = np.random.default_rng(2)
+    q = (2.0 * rng.standard_normal((1, HEADS, Q_LEN, HEAD_DIM))).astype(np.float16)
+    k = rng.standard_normal((1, HEADS, 500, HEAD_DIM)).astype(np.float16)
+    beta = np.float16(SMALL.beta(500))  # what the graph multiplies by: beta rounded to fp16
+    q64, k64 = q.astype(np.float64), k.astype(np.float64)
+    expected = _softmax((beta * q64) @ k64.swapaxes(-1, -2)) @ k64
+    out = run(model, {"q": q, "k": k})[0].astype(np.float64)
+    np.testing.assert_allclose(out, expected, atol=5e-3, rtol=5e-3)
+    assert np.abs(out - _softmax(q64 @ k64.swapaxes(-1, -2)) @ k64).max() > 5e-2  # beta = 1 would fail above
+
+
+def test_unknown_key_dims_share_only_the_same_key_value():
+    """Without shape info, two attentions reading the very same K^T value still share one beta subgraph."""
+    proto = decomposed_two_layer(with_value_info=False)
+    matmul = next(n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] == "l1_KTs")
+    matmul.input[1] = "l0_KT"
+    model, counts = rewritten(proto, SMALL)
+    assert counts["DecomposedAttentionQueryScale"] == 2 and counts["beta_subgraphs"] == 1
 
 
 def test_rewrite_is_idempotent():
@@ -358,7 +394,7 @@ def test_onnx_attention_not_causal(past_len, kv_len):
 def test_onnx_attention_causal_rows_straddle_ref_keys():
     """q_len 5, past ref-3: rows see N = ref-2 .. ref+2 keys -> beta 1, 1, 1, beta(ref+1), beta(ref+2)."""
     model, _ = rewritten(attention_model(causal=True, past=True), DEFAULT)
-    (beta_name,) = expose_betas(model)
+    assert len(expose_betas(model)) == 1  # one shared beta
     ref = DEFAULT.ref_keys
     feeds = attention_feeds(q_len=5, kv_len=5, past_len=ref - 3)
     y, beta = run(model, feeds)
@@ -443,7 +479,8 @@ def gqa_model(layers: int = 2) -> onnx.ModelProto:
     value_info = [_vi(f"Q{layer}", F, ["b", "s", GQA_HEADS * HEAD_DIM]) for layer in range(1, layers)]
     graph = helper.make_graph(nodes, "gqa", inputs, [_vi("Y", F, ["b", "s", GQA_HEADS * HEAD_DIM])],
                               value_info=value_info)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
 
 
 def gqa_reference(feeds, profile, layer, q, first_prompt):

@@ -83,10 +83,15 @@ def test_max_new_tokens_exact_and_cache_trimmed(tiny_engines, max_new):
 
 def test_stop_token_inside_accepted_block(tiny_engines):
     eng = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
-    ids = eng.tokenizer.encode(PROMPTS[3])
+    block = eng.drafter.block_size
+    for prompt in PROMPTS:  # find a prompt whose continuation has a fresh token in the middle of a block
+        ids = eng.tokenizer.encode(prompt)
+        ref = eng.generate_target_only(ids, 20).token_ids
+        at = next((i for i in range(2, 20) if ref[i] not in ref[:i] and i % block), None)
+        if at is not None:
+            break
+    assert at is not None, "no prompt gives a fresh mid-block token on the tiny target"
     ref = _oracle(eng, ids, 20)
-    # the first token the target emits mid-block (not at a block boundary) that it has not emitted before
-    at = next(i for i in range(2, 20) if ref[i] not in ref[:i] and i % eng.drafter.block_size)
     eng.eos_token_ids = {ref[at]}
     out = eng.generate(ids, 20)
     assert out.token_ids == ref[: at + 1] and out.finish_reason == "stop"
