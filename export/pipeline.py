@@ -122,8 +122,11 @@ def _check_out(out: Path) -> None:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExportError(f"--out {out}: cannot create {parent} ({e.strerror}); choose a writable folder") from e
-    if not os.access(parent, os.W_OK):
-        raise ExportError(f"--out {out}: {parent} is not writable; choose a writable folder")
+    try:  # the real test of writability (os.access says yes to root even on read-only mounts)
+        probe = tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent)
+        os.rmdir(probe)
+    except OSError as e:
+        raise ExportError(f"--out {out}: {parent} is not writable ({e.strerror}); choose a writable folder") from e
 
 
 def run_export(cfg: ExportConfig) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -46,6 +47,17 @@ def create_app(engine, model_name: str = "sharpdraft") -> FastAPI:
     """Build the FastAPI app around a :class:`runtime.engine.SpecEngine` (or anything with its interface)."""
     app = FastAPI(title="sharpdraft", version="0.1.0")
     lock = asyncio.Lock()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers malformed requests with 400 and an error object, not FastAPI's 422.
+        msg = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": {"message": exc.detail, "type": "invalid_request_error"}},
+                            status_code=exc.status_code)
 
     @app.get("/health")
     async def health() -> dict:

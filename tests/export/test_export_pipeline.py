@@ -1,0 +1,178 @@
+"""sharpdraft-export on the tiny pair: manifest contents, in-graph beta at several N, CLI errors, atomicity."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from export.cli import main as export_cli
+from export.pipeline import ExportConfig, ExportError, run_export
+from plugins.rule import QueryScaleProfile
+from runtime.manifest import load_manifest
+from runtime.models.dflash import load_dflash
+from tests.conftest import write_tiny_dflash
+
+
+def test_manifest_records_profile_io_and_validation(tiny_engines):
+    m = load_manifest(tiny_engines)
+    qs = m["query_scale"]
+    assert (qs["ref_keys"], qs["slope"], qs["top_k"], qs["enabled"]) == (64, 5.0, 32, True)
+    assert qs["source"].startswith("cli")
+    assert qs["rewrite"]["DecomposedAttentionQueryScale"] == 2 and qs["rewrite"]["beta_subgraphs"] == 1
+    assert m["drafter"]["block_size"] == 4 and m["drafter"]["mask_embedding"] is True
+    assert m["graphs"]["drafter"]["inputs"][-2:] == ["embed_weight", "lm_head_weight"]
+    assert set(m["shared_weights"]) == {"embed_weight", "lm_head_weight"}
+    assert m["validation"]["target"]["max_abs_diff_logits"] < 1e-3
+
+
+def test_validation_points_follow_the_rule(tiny_engines):
+    """The exported drafter's beta at N = 100, ref, 4 ref, 20 ref equals the rule (ORT vs torch at that beta),
+    and beta visibly changes the logits above ref_keys (so a constant-folded beta could not pass)."""
+    m = load_manifest(tiny_engines)
+    prof = QueryScaleProfile(ref_keys=64)
+    pts = {p["num_keys"]: p for p in m["validation"]["drafter"]["points"]}
+    assert sorted(pts) == [64, 100, 256, 1280]
+    for n, p in pts.items():
+        assert p["beta"] == pytest.approx(prof.beta(n), abs=1e-6)
+        assert p["max_abs_diff_logits"] <= p["bound"]
+    assert pts[64]["beta"] == 1.0 and pts[64]["beta_effect_on_logits"] == 0.0
+    for n in (100, 256, 1280):
+        assert pts[n]["beta_effect_on_logits"] > 20 * pts[n]["max_abs_diff_logits"]
+
+
+def test_graph_beta_intermediate(tiny_engines, tmp_path):
+    """Expose the in-graph beta tensor as an output and read it at several N (never a folded constant)."""
+    import onnxruntime as ort
+
+    src = tiny_engines / "drafter" / "model.onnx"
+    model = onnx.load(str(src))
+    mul = next(n for n in model.graph.node if any(p.key == "sharpdraft.role" for p in n.metadata_props))
+    beta_name = mul.input[1]
+    model.graph.output.append(onnx.helper.make_tensor_value_info(beta_name, onnx.TensorProto.FLOAT, None))
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.onnx.data")
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    m = load_manifest(tiny_engines)
+    d = m["drafter"]["config"]
+    blk, ctx, prof = d["block_size"], 2, QueryScaleProfile(ref_keys=64)
+    for n in (100, 64, 4 * 64, 20 * 64):
+        past = n - ctx - blk
+        feed = {"input_ids": np.full((1, blk), d["dflash_config"]["mask_token_id"], np.int64),
+                "target_hidden": np.zeros((1, ctx, 128), np.float32),
+                "position_ids": np.arange(past, past + ctx + blk, dtype=np.int64)[None],
+                "embed_weight": np.zeros((d["vocab_size"], 64), np.float32),
+                "lm_head_weight": np.zeros((d["vocab_size"], 64), np.float32)}
+        for i in range(d["num_hidden_layers"]):
+            feed[f"past_key.{i}"] = feed[f"past_value.{i}"] = np.zeros((1, 2, past, 16), np.float32)
+        beta = sess.run([beta_name], feed)[0]
+        assert float(np.asarray(beta).reshape(-1)[0]) == pytest.approx(prof.beta(n), abs=1e-6)
+
+
+def test_profile_precedence(tiny_target_dir, tmp_path):
+    from export.pipeline import choose_profile
+
+    ck = load_dflash(write_tiny_dflash(tmp_path / "c", query_scale={"ref_keys": 256, "slope": 4.0}))
+    p, src = choose_profile(ExportConfig(family="dflash", out=tmp_path / "o"), ck)
+    assert (p.ref_keys, p.slope, src) == (256, 4.0, "checkpoint")
+    p, src = choose_profile(ExportConfig(family="dflash", out=tmp_path / "o", slope=3.0), ck)
+    assert (p.ref_keys, p.slope) == (256, 3.0) and src.startswith("cli")
+    p, _ = choose_profile(ExportConfig(family="dflash", out=tmp_path / "o", query_scale=False), ck)
+    assert not p.enabled
+    plain = load_dflash(write_tiny_dflash(tmp_path / "d"))
+    p, src = choose_profile(ExportConfig(family="dflash", out=tmp_path / "o"), plain)
+    assert (p.ref_keys, src) == (2048, "family-preset")
+
+
+def _run_cli(*args):
+    return CliRunner().invoke(export_cli, list(args))
+
+
+def test_cli_unknown_drafter(tmp_path):
+    r = _run_cli("--drafter", "medusa", "--out", str(tmp_path / "e"))
+    assert r.exit_code != 0 and "medusa" in r.output
+
+
+def test_cli_missing_checkpoint(tmp_path, tiny_target_dir):
+    r = _run_cli("--drafter", "dflash", "--checkpoint", str(tmp_path / "none"), "--target", str(tiny_target_dir),
+                 "--out", str(tmp_path / "e"))
+    assert r.exit_code == 1 and "no config.json" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "e").exists()
+
+
+def test_cli_corrupt_checkpoint(tmp_path, tiny_target_dir):
+    ck = write_tiny_dflash(tmp_path / "c")
+    (ck / "model.safetensors").write_bytes(b"garbage" * 10)
+    r = _run_cli("--drafter", "dflash", "--checkpoint", str(ck), "--target", str(tiny_target_dir),
+                 "--out", str(tmp_path / "e"))
+    assert r.exit_code == 1 and "corrupt" in r.output and not (tmp_path / "e").exists()
+
+
+def test_cli_unwritable_out(tmp_path, tiny_target_dir, tiny_dflash_dir):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    # root ignores mode bits: /proc/1 is a folder nobody can create entries in
+    parent = ro if os.geteuid() != 0 else Path("/proc/1")
+    try:
+        r = _run_cli("--drafter", "dflash", "--checkpoint", str(tiny_dflash_dir), "--out", str(parent / "e"))
+        assert r.exit_code == 1 and "not writable" in r.output and len(r.output.strip().splitlines()) == 1
+    finally:
+        ro.chmod(0o700)
+
+
+def test_cli_out_is_a_file(tmp_path, tiny_dflash_dir):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _run_cli("--drafter", "dflash", "--checkpoint", str(tiny_dflash_dir), "--out", str(f / "e"))
+    assert r.exit_code == 1 and "cannot create" in r.output
+
+
+def test_cli_out_not_an_engines_folder(tmp_path, tiny_dflash_dir):
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "precious.txt").write_text("keep me")
+    r = _run_cli("--drafter", "dflash", "--checkpoint", str(tiny_dflash_dir), "--out", str(tmp_path / "e"))
+    assert r.exit_code == 1 and "not an engines folder" in r.output
+    assert (tmp_path / "e" / "precious.txt").read_text() == "keep me"
+
+
+def test_mismatched_target_refused(tmp_path, tiny_target_dir):
+    ck = write_tiny_dflash(tmp_path / "c")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["num_target_layers"] = 30
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="num_target_layers 30 vs target layers 4"):
+        run_export(ExportConfig(family="dflash", out=tmp_path / "e", checkpoint=ck, target=str(tiny_target_dir)))
+
+
+def test_interrupted_export_leaves_nothing(tmp_path, tiny_target_dir, tiny_dflash_dir, tiny_engines, monkeypatch):
+    """An interrupt mid-export leaves neither a new half-written folder nor a damaged existing one."""
+    import shutil
+
+    import export.validate as validate
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "validate_drafter", boom)
+    out = tmp_path / "e"
+    with pytest.raises(KeyboardInterrupt):
+        run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir)))
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    shutil.copytree(tiny_engines, out)  # an existing, valid engines folder survives an interrupted re-export
+    with pytest.raises(KeyboardInterrupt):
+        run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir)))
+    assert load_manifest(out)["query_scale"]["ref_keys"] == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
+def test_no_query_scale_export_is_frozen(tmp_path, tiny_target_dir, tiny_dflash_dir):
+    out = tmp_path / "frozen"
+    m = run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+                                query_scale=False))
+    assert m["query_scale"]["enabled"] is False and m["query_scale"]["rewrite"]["beta_subgraphs"] == 0
+    assert all(p["beta"] == 1.0 for p in m["validation"]["drafter"]["points"])
+    g = onnx.load(str(out / "drafter" / "model.onnx"), load_external_data=False)
+    assert not any(n.name.startswith("sharpdraft/") for n in g.graph.node)
