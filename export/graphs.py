@@ -55,7 +55,7 @@ class TargetForExport(nn.Module):
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          use_cache=True, output_hidden_states=True, **{self.cache_kwarg: cache})
         taps = torch.cat([out.hidden_states[i + 1] for i in self.tap_ids], dim=-1)
-        kv = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        kv = out["cache"] if "cache" in out else out["past_key_values"]  # key lookup: no deprecation warning
         present = [t for layer in kv.layers for t in (layer.keys, layer.values)]
         return out.logits, taps, present
 

@@ -37,20 +37,21 @@ def providers(device: str = "auto") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-class OrtTarget:
-    """Target graph + KV cache. ``forward`` appends to the cache; ``truncate`` rolls it back."""
+class _CachedGraph:
+    """One ONNX Runtime session whose KV cache (flat past/present tensors) this object owns.
 
-    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
+    ``kv``: list over layers of K then V, each ``[1, kv_heads, kv_len, head_dim]`` float32. Rollback is a slice.
+    """
+
+    def __init__(self, engine_dir: Path, graph: dict[str, Any], dims: tuple[int, int, int], device: str,
+                 threads: int | None):
         import onnxruntime as ort
 
-        g = manifest["graphs"]["target"]
-        t = manifest["target"]
-        self.session = ort.InferenceSession(str(engine_dir / g["file"]), session_options(threads),
+        self.session = ort.InferenceSession(str(engine_dir / graph["file"]), session_options(threads),
                                             providers=providers(device))
-        self.num_layers, self.kv_heads, self.head_dim = t["num_layers"], t["num_key_value_heads"], t["head_dim"]
-        self.max_positions = t["max_position_embeddings"]
-        self.kv_names = g["inputs"][3:]
-        self.out_names = g["outputs"]
+        self.num_layers, self.kv_heads, self.head_dim = dims
+        self.kv_names = [n for n in graph["inputs"] if n.startswith("past_")]
+        self.out_names = graph["outputs"]
         self.reset()
 
     def reset(self) -> None:
@@ -60,6 +61,21 @@ class OrtTarget:
     @property
     def kv_len(self) -> int:
         return self.kv[0].shape[2]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (rollback of rejected tokens)."""
+        assert 0 <= length <= self.kv_len, (length, self.kv_len)
+        self.kv = [t[:, :, :length] for t in self.kv]
+
+
+class OrtTarget(_CachedGraph):
+    """Target graph + KV cache. ``forward`` appends to the cache; ``truncate`` rolls it back."""
+
+    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
+        t = manifest["target"]
+        super().__init__(engine_dir, manifest["graphs"]["target"],
+                         (t["num_layers"], t["num_key_value_heads"], t["head_dim"]), device, threads)
+        self.max_positions = t["max_position_embeddings"]
 
     def forward(self, input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Run ``input_ids`` [1, q_len] int64 at positions kv_len .. kv_len + q_len - 1 and append their K/V.
@@ -79,40 +95,19 @@ class OrtTarget:
         self.kv = present
         return logits, taps
 
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` positions of the cache (rollback of rejected draft tokens)."""
-        assert 0 <= length <= self.kv_len, (length, self.kv_len)
-        self.kv = [t[:, :, :length] for t in self.kv]
 
-
-class OrtDFlashDrafter:
+class OrtDFlashDrafter(_CachedGraph):
     """DFlash drafter graph + its context KV cache (holds only verified context: block K/V are never returned)."""
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
-        import onnxruntime as ort
-
-        g = manifest["graphs"]["drafter"]
         d = manifest["drafter"]["config"]
-        self.session = ort.InferenceSession(str(engine_dir / g["file"]), session_options(threads),
-                                            providers=providers(device))
+        super().__init__(engine_dir, manifest["graphs"]["drafter"],
+                         (d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]), device, threads)
         self.block_size = d["block_size"]
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
-        self.num_layers, self.kv_heads, self.head_dim = d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]
         self.max_positions = d["max_position_embeddings"]
-        self.kv_names = [n for n in g["inputs"] if n.startswith("past_")]
-        self.out_names = g["outputs"]
         target_graph = engine_dir / manifest["graphs"]["target"]["file"]
-        shared = manifest["shared_weights"]
-        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in shared.items()}
-        self.reset()
-
-    def reset(self) -> None:
-        empty = np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32)
-        self.kv = [empty] * (2 * self.num_layers)
-
-    @property
-    def kv_len(self) -> int:
-        return self.kv[0].shape[2]
+        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()}
 
     def draft(self, bonus_token: int, target_hidden: np.ndarray) -> np.ndarray:
         """Draft B-1 tokens after ``bonus_token``.

@@ -140,3 +140,23 @@ def test_engine_dir_bad_manifest(tiny_engines, tmp_path, edit, match):
 def test_missing_engine_dir(tmp_path):
     with pytest.raises(EngineDirError, match="not an engines folder"):
         SpecEngine(tmp_path / "nowhere")
+
+
+def test_past_drafter_positions_continues_target_only(tiny_engines):
+    """When s + B would pass the drafter's max positions, the request finishes target-only, still exact."""
+    eng = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
+    ids = eng.tokenizer.encode(PROMPTS[4])
+    base = eng.generate_target_only(ids, 30)
+    eng.drafter.max_positions = len(ids) + 12
+    out = eng.generate(ids, 30)
+    assert out.token_ids == base.token_ids
+    assert 1 <= out.stats.rounds <= 12 and eng.target.kv_len == len(ids) + 29
+
+
+def test_generate_cli_on_bad_engine_dir(tmp_path):
+    from click.testing import CliRunner
+
+    from runtime.generate import main
+
+    r = CliRunner().invoke(main, ["--engine", str(tmp_path)])
+    assert r.exit_code == 1 and "not an engines folder" in r.output and len(r.output.strip().splitlines()) == 1
