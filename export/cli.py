@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from export.pipeline import FAMILIES, ExportConfig, ExportError, run_export
+from export.rewrite import QueryScaleRewriteError
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,7 +31,7 @@ def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, verbo
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
                            slope=slope, query_scale=not no_query_scale)
         manifest = run_export(cfg)
-    except (ExportError, ValueError) as e:
+    except (ExportError, ValueError, QueryScaleRewriteError) as e:
         click.echo(f"sharpdraft-export: error: {e}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:

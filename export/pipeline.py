@@ -48,6 +48,10 @@ class ExportConfig:
         if self.family != "dflash":
             raise ExportError(f"--drafter {self.family}: not supported by this version yet (DFlash only)")
         self.out = Path(self.out)
+        try:  # bad --ref-keys / --slope fail here, before any model is loaded
+            QueryScaleProfile.for_family(self.family, ref_keys=self.ref_keys, slope=self.slope)
+        except ValueError as e:
+            raise ExportError(f"invalid query-scale option: {e}") from e
 
 
 def choose_profile(cfg: ExportConfig, drafter: DFlashDrafter) -> tuple[QueryScaleProfile, str]:

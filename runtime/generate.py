@@ -20,7 +20,7 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 @click.option("--engine", "engine_dir", default="engines", type=click.Path(path_type=Path), show_default=True)
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--raw", is_flag=True, help="use the prompt as plain text (default: the tokenizer's chat template)")
-@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="also write the figures as JSON")
 def main(engine_dir, prompt, raw, max_new_tokens, device, json_out):
@@ -29,15 +29,15 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, json_out):
 
     try:
         engine = SpecEngine(engine_dir, device=device)
-    except EngineDirError as e:
+        tok = engine.tokenizer
+        ids = tok.encode(prompt) if raw else tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        engine.generate(ids[:8] or [0], 4)  # warm-up: first ORT runs allocate
+        base = engine.generate_target_only(ids, max_new_tokens)
+        spec = engine.generate(ids, max_new_tokens)
+    except (EngineDirError, ValueError, RuntimeError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
-    tok = engine.tokenizer
-    ids = tok.encode(prompt) if raw else tok.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
-    engine.generate(ids[:8], 4)  # warm-up: first ORT runs allocate
-    base = engine.generate_target_only(ids, max_new_tokens)
-    spec = engine.generate(ids, max_new_tokens)
     text = tok.decode(spec.token_ids, skip_special_tokens=True)
     s, b = spec.stats, base.stats
     speedup = s.tokens_per_s / b.tokens_per_s if b.tokens_per_s else 0.0

@@ -45,7 +45,9 @@ def load_manifest(engine_dir: str | Path, verify_checksums: bool = True) -> dict
         whose sha256 differs from the manifest. The message says to re-run ``sharpdraft-export``.
     """
     root = Path(engine_dir)
-    redo = f"re-create it with `sharpdraft-export --out {root}`"
+    redo = f"re-create it with `sharpdraft-export --drafter dflash --out {root}`"
+    if not root.is_dir():
+        raise EngineDirError(f"{root}: no such folder; pass the folder `sharpdraft-export --out` wrote")
     path = root / MANIFEST
     if not path.is_file():
         raise EngineDirError(f"{root}: no {MANIFEST}; not an engines folder ({redo})")
@@ -54,6 +56,8 @@ def load_manifest(engine_dir: str | Path, verify_checksums: bool = True) -> dict
     except json.JSONDecodeError as e:
         raise EngineDirError(f"{path}: not valid JSON ({e}); {redo}") from e
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if isinstance(manifest, dict) and isinstance(manifest.get("drafter"), dict):
+        redo = redo.replace("--drafter dflash", f"--drafter {manifest['drafter'].get('family', 'dflash')}")
     if version != SCHEMA_VERSION:
         raise EngineDirError(f"{path}: schema_version {version!r}, this runtime reads {SCHEMA_VERSION}; {redo}")
     for key in ("drafter", "target", "graphs", "tokenizer", "query_scale", "shared_weights"):

@@ -27,7 +27,10 @@ class CompletionRequest(BaseModel):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0.0)
-    n: int = Field(1, ge=1, le=1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # accepted for compatibility; greedy ignores it
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    logprobs: int | None = None
     stream: bool = False
     echo: bool = False
 
@@ -69,8 +72,12 @@ def create_app(engine, model_name: str = "sharpdraft") -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> JSONResponse:
-        if req.stream:
-            raise HTTPException(400, "stream=true is not supported yet; send stream=false")
+        if req.model not in (None, model_name):
+            raise HTTPException(404, f"model {req.model!r} does not exist; this server serves {model_name!r}")
+        unsupported = [name for name, bad in (("stream=true", req.stream), ("stop", req.stop),
+                                              ("logprobs", req.logprobs is not None), ("n > 1", req.n > 1)) if bad]
+        if unsupported:
+            raise HTTPException(400, f"{', '.join(unsupported)}: not supported yet; remove it from the request")
         if req.temperature > 0:
             raise HTTPException(400, "only greedy decoding (temperature 0) is supported yet; send temperature=0")
         ids = engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
@@ -112,7 +119,7 @@ def main(engine_dir: Path, host: str, port: int, device: str) -> None:
 
     try:
         engine = SpecEngine(engine_dir, device=device)
-    except EngineDirError as e:
+    except (EngineDirError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     uvicorn.run(create_app(engine, model_name=engine_dir.resolve().name), host=host, port=port, log_level="info")
 

@@ -201,13 +201,18 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     return (ce * w).sum() / w.sum(), correct, valid
 
 
-def load_shards(work: Path, holdout: int) -> tuple[list[dict], list[dict]]:
-    recs = []
+def load_shards(work: Path, val_every: int = 40) -> tuple[list[dict], list[dict]]:
+    """All records of all shards, split by a hash of their token ids (stable when shards are added later)."""
+    import zlib
+
+    train_recs, val_recs = [], []
     for f in sorted((work / "data").glob("shard_*.pt")):
-        recs.extend(r for r in torch.load(f)["records"] if r["ids"].numel() > BLOCK + 2)
-    rng = random.Random(0)
-    rng.shuffle(recs)
-    return recs[holdout:], recs[:holdout]
+        for r in torch.load(f)["records"]:
+            if r["ids"].numel() <= BLOCK + 2:
+                continue
+            is_val = zlib.crc32(r["ids"].numpy().tobytes()) % val_every == 0
+            (val_recs if is_val else train_recs).append(r)
+    return train_recs, val_recs
 
 
 def accept_len(correct: torch.Tensor) -> torch.Tensor:
@@ -243,7 +248,7 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         opt.load_state_dict(ck["opt"])
         state = ck["state"]
         print(f"resumed at step {state['step']} ({state['seconds']:.0f}s trained)")
-    train_recs, val_recs = load_shards(work, holdout=24)
+    train_recs, val_recs = load_shards(work)
     ntok = sum(r["ids"].numel() for r in train_recs)
     print(f"{len(train_recs)} train sequences, {ntok} tokens; {len(val_recs)} validation sequences")
     rng = random.Random(state["step"])

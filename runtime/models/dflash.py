@@ -295,6 +295,8 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
     from safetensors.torch import load_file
 
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder (check the path)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json; a DFlash checkpoint folder holds config.json and "

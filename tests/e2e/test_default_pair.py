@@ -66,7 +66,7 @@ def test_lossless_on_real_prompts(engine):
             assert len(spec.token_ids) == NEW_TOKENS
         mals.append(spec.stats.mean_accepted_length)
     # The demo drafter must really draft: a regression guard well below its measured MAL (see its card).
-    assert sum(mals) / len(mals) > 1.3, mals
+    assert sum(mals) / len(mals) > 1.15, mals  # an untrained drafter scores ~1.0
 
 
 def _free_port() -> int:

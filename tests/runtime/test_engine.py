@@ -138,8 +138,10 @@ def test_engine_dir_bad_manifest(tiny_engines, tmp_path, edit, match):
 
 
 def test_missing_engine_dir(tmp_path):
-    with pytest.raises(EngineDirError, match="not an engines folder"):
+    with pytest.raises(EngineDirError, match="no such folder"):
         SpecEngine(tmp_path / "nowhere")
+    with pytest.raises(EngineDirError, match="not an engines folder"):
+        SpecEngine(tmp_path)
 
 
 def test_past_drafter_positions_continues_target_only(tiny_engines):
@@ -158,5 +160,5 @@ def test_generate_cli_on_bad_engine_dir(tmp_path):
 
     from runtime.generate import main
 
-    r = CliRunner().invoke(main, ["--engine", str(tmp_path)])
+    r = CliRunner().invoke(main, ["--engine", str(tmp_path), "--max-new-tokens", "8"])
     assert r.exit_code == 1 and "not an engines folder" in r.output and len(r.output.strip().splitlines()) == 1

@@ -29,6 +29,12 @@ def test_completion_matches_target_only(client_engine):
     assert body["sharpdraft"]["rounds"] >= 1
 
 
+def test_unknown_model_is_404(client_engine):
+    client, _ = client_engine
+    r = client.post("/v1/completions", json={"prompt": "hi", "model": "gpt-4"})
+    assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
+
+
 def test_token_id_prompt_and_models(client_engine):
     client, _ = client_engine
     r = client.post("/v1/completions", json={"prompt": [0], "max_tokens": 3})
@@ -48,6 +54,10 @@ def test_token_id_prompt_and_models(client_engine):
     ({"prompt": [1, 10**6], "max_tokens": 2}, "token ids"),
     ({"prompt": [1] * 4095, "max_tokens": 5}, "exceeds"),
     ({"max_tokens": 5}, "prompt"),
+    ({"prompt": "hi", "top_p": 2}, "top_p"),
+    ({"prompt": "hi", "stop": ["\n"]}, "stop"),
+    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "n": 2}, "n > 1"),
 ])
 def test_bad_requests_then_good_one(client_engine, payload, needle):
     client, _ = client_engine
