@@ -89,7 +89,7 @@ def chat_messages(split: str, n: int | None = None, seed: int = 0) -> list[str]:
     for text in stdlib_modules(split).values():
         msgs += [rng.choice(_CODE_TASKS).format(_snippet(text, rng, 20)) for _ in range(3)]
     rng.shuffle(msgs)
-    return msgs[:n] if n else msgs
+    return msgs if n is None else msgs[:n]
 
 
 def chat_prompts(split: str, tok, n: int | None = None, seed: int = 0) -> list[list[int]]:
