@@ -117,3 +117,8 @@ def is_query_scale_mul(node: ir.Node | None) -> bool:
     """True for a ``Mul`` inserted by this rewrite (tagged in node metadata, never recognised by name)."""
     return (node is not None and node.op_type == "Mul"
             and node.metadata_props.get(ROLE_KEY) == ROLE_QUERY_SCALE)
+
+
+def optional_input(node: ir.Node, index: int) -> ir.Value | None:
+    """Input ``index`` of ``node``, or None when the node has fewer inputs (trailing optional inputs omitted)."""
+    return node.inputs[index] if len(node.inputs) > index else None

@@ -18,14 +18,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from export.rules.base import AttentionMatch, MatchFailure, default_opset, dim_key, fail, int_attr
+from export.rules.base import (AttentionMatch, MatchFailure, default_opset, dim_key, fail, int_attr,
+                               optional_input)
 from export.rules.beta_graph import SharedBeta, SubgraphBuilder, scale_query
 
 _QUERY, _KEY, _SEQLENS_K, _TOTAL_SEQ_LEN = 0, 1, 5, 6  # input slots of GroupQueryAttention
-
-
-def _input(node: ir.Node, index: int) -> ir.Value | None:
-    return node.inputs[index] if len(node.inputs) > index else None
 
 
 class GroupQueryAttentionQueryScale:
@@ -37,7 +34,8 @@ class GroupQueryAttentionQueryScale:
         """Anchor: ``GroupQueryAttention`` in domain ``com.microsoft`` with a query. Never raises."""
         if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
             return None
-        query, seqlens, total = _input(node, _QUERY), _input(node, _SEQLENS_K), _input(node, _TOTAL_SEQ_LEN)
+        query = optional_input(node, _QUERY)
+        seqlens, total = optional_input(node, _SEQLENS_K), optional_input(node, _TOTAL_SEQ_LEN)
         if query is None:
             return None
         q_dim = dim_key(query, 1)
@@ -47,9 +45,9 @@ class GroupQueryAttentionQueryScale:
 
     def check(self, match: AttentionMatch) -> MatchFailure | None:
         node = match.anchor
-        if _input(node, _KEY) is None:
+        if optional_input(node, _KEY) is None:
             return fail("packed QKV GroupQueryAttention (no key input) is not supported", node.name)
-        if _input(node, _SEQLENS_K) is None or _input(node, _TOTAL_SEQ_LEN) is None:
+        if optional_input(node, _SEQLENS_K) is None or optional_input(node, _TOTAL_SEQ_LEN) is None:
             return fail("GroupQueryAttention without seqlens_k / total_sequence_length", node.name)
         window = int_attr(node, "local_window_size", -1)
         if window != -1:

@@ -16,14 +16,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from export.rules.base import AttentionMatch, MatchFailure, dim_key, fail, int_attr, rank_of
+from export.rules.base import AttentionMatch, MatchFailure, dim_key, fail, int_attr, optional_input, rank_of
 from export.rules.beta_graph import SharedBeta, SubgraphBuilder, scale_query
 
 _Q, _K, _PAST_KEY, _NONPAD = 0, 1, 4, 6  # input slots of Attention
-
-
-def _input(node: ir.Node, index: int) -> ir.Value | None:
-    return node.inputs[index] if len(node.inputs) > index else None
 
 
 class OnnxAttentionQueryScale:
@@ -35,10 +31,10 @@ class OnnxAttentionQueryScale:
         """Anchor: ``Attention`` in the default domain with Q and K present. Never raises."""
         if node.op_type != "Attention" or node.domain not in ("", "ai.onnx"):
             return None
-        query, keys = _input(node, _Q), _input(node, _K)
+        query, keys = optional_input(node, _Q), optional_input(node, _K)
         if query is None or keys is None:
             return None
-        past, nonpad = _input(node, _PAST_KEY), _input(node, _NONPAD)
+        past, nonpad = optional_input(node, _PAST_KEY), optional_input(node, _NONPAD)
         causal = int_attr(node, "is_causal", 0) == 1
         sources = tuple(v for v in (query, keys, past, nonpad) if v is not None)
         info = {"causal": causal, "past_key": past, "nonpad": nonpad, "rank": rank_of(query, keys)}
