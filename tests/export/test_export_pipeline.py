@@ -98,7 +98,7 @@ def test_cli_unknown_drafter(tmp_path):
 def test_cli_missing_checkpoint(tmp_path, tiny_target_dir):
     r = _run_cli("--drafter", "dflash", "--checkpoint", str(tmp_path / "none"), "--target", str(tiny_target_dir),
                  "--out", str(tmp_path / "e"))
-    assert r.exit_code == 1 and "no config.json" in r.output and len(r.output.strip().splitlines()) == 1
+    assert r.exit_code == 1 and "no such checkpoint folder" in r.output and len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "e").exists()
 
 
