@@ -78,6 +78,11 @@ class SpecEngine:
         stats.prefill_s = time.perf_counter() - t0
         return int(logits[0, -1].argmax()), taps
 
+    def _target_step(self, token: int) -> int:
+        """One target decode step on ``token``; returns the target's greedy next token."""
+        logits, _ = self.target.forward(np.asarray([[token]], np.int64))
+        return int(logits[0, -1].argmax())
+
     def generate_target_only(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
         """Plain greedy decoding with the target engine (the baseline and the lossless reference)."""
         self._check_prompt(prompt_ids, max_new_tokens)
@@ -86,8 +91,7 @@ class SpecEngine:
         out = [token]
         t0 = time.perf_counter()
         while len(out) < max_new_tokens and token not in self.eos_token_ids:
-            logits, _ = self.target.forward(np.asarray([[token]], np.int64))
-            token = int(logits[0, -1].argmax())
+            token = self._target_step(token)
             out.append(token)
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = len(out)
@@ -115,8 +119,7 @@ class SpecEngine:
             s = self.target.kv_len
             if s + block > min(self.drafter.max_positions, self.max_positions):
                 # Past the drafter's (or the target's) positions: finish target-only, still exact.
-                logits, _ = self.target.forward(np.asarray([[bonus]], np.int64))
-                bonus = int(logits[0, -1].argmax())
+                bonus = self._target_step(bonus)
                 out.append(bonus)
                 continue
             t1 = time.perf_counter()
@@ -131,7 +134,8 @@ class SpecEngine:
             stats.record_round(a)
             # Emit d_1..d_a and the new bonus p_a, cut at a stop token / max_new_tokens; keep in the target cache
             # exactly the committed tokens (x_s plus the emitted ones but the new pending bonus).
-            kept = _cut_at_stop(out + [*drafts[:a].tolist(), int(posterior[a])], self.eos_token_ids, max_new_tokens)
+            kept = _append_until_stop(out, [*drafts[:a].tolist(), int(posterior[a])], self.eos_token_ids,
+                                      max_new_tokens)
             n_new = len(kept) - len(out)
             self.target.truncate(s + n_new)
             ctx = taps[:, :n_new]
@@ -155,9 +159,17 @@ class SpecEngine:
             raise InvariantError("drafter cache holds keys beyond the verified context")
 
 
-def _cut_at_stop(out: list[int], stop_ids: set[int], max_new_tokens: int) -> list[int]:
-    """Truncate after the first stop token and at max_new_tokens, whichever comes first in token order."""
-    for i, tok in enumerate(out[:max_new_tokens]):
+def _append_until_stop(out: list[int], new: list[int], stop_ids: set[int], max_new_tokens: int) -> list[int]:
+    """``out`` + ``new``, cut after the first stop token in ``new`` or at max_new_tokens, whichever comes first.
+
+    Only ``new`` is scanned: ``out`` never holds a stop token (the loop ends on one).
+    Example: out=[5], new=[7, 2, 9], stop={2}, max 10 -> [5, 7, 2]; max 2 -> [5, 7].
+    """
+    kept = list(out)
+    for tok in new:
+        if len(kept) >= max_new_tokens:
+            break
+        kept.append(tok)
         if tok in stop_ids:
-            return out[: i + 1]
-    return out[:max_new_tokens]
+            break
+    return kept
