@@ -1,25 +1,39 @@
-"""The lossless greedy draft -> verify -> commit loop over an engines/ folder (DFlash family).
+"""The lossless draft -> verify -> commit loop over a ragged batch of sequences (DFlash family).
 
-One round at committed length s (tokens whose K/V are in the target cache) with pending bonus token x_s:
+One round of a sequence at committed length s (tokens whose K/V are in the target cache) with pending bonus x_s:
   1. draft: the drafter sees the target features of positions it has not cached yet and the block
-     [x_s, MASK x (B-1)] at positions s .. s+B-1, and returns B-1 draft tokens d_1..d_{B-1};
-  2. verify: the target runs [x_s, d_1 .. d_{B-1}] in one pass; p_j = argmax of its logits at slot j;
-  3. accept the longest prefix with d_{j+1} == p_j (a tokens); commit x_s, d_1..d_a; the new bonus is p_a;
-     roll the target cache back to s + a + 1; the features of the a + 1 committed positions feed the next draft.
-Because every emitted token is the target's own argmax given the committed prefix, the output equals target-only
-greedy decoding token for token (DFlash, arXiv 2602.06036, §3; Leviathan et al. 2023, arXiv 2211.17192).
+     [x_s, MASK x (B-1)] at positions s .. s+B-1, and returns logits for k <= B-1 draft slots; the draft tokens
+     d_1..d_k are drawn from them (runtime/sampling.py: argmax for greedy rows, q for sampled rows);
+  2. verify: the target runs [x_s, d_1 .. d_k] in one pass;
+  3. accept a tokens (greedy: longest prefix equal to the target's argmax; sampled: rejection sampling) and emit
+     d_1..d_a plus one target token (the bonus, or the resampled token), cut at a stop / max_new_tokens;
+     roll the target cache back to s + emitted; the features of the emitted positions feed the next draft.
+Greedy rows therefore equal target-only greedy decoding token for token (DFlash, arXiv 2602.06036, §3;
+Leviathan et al. 2023, arXiv 2211.17192); sampled rows keep the target's processed distribution.
+
+One :meth:`SpecEngine.step` advances every active sequence by one round: the verify pass is one batched target call
+over rows of different lengths and different draft counts; a row that finishes leaves the batch and its caches are
+dropped at once. Rows whose next block would pass the drafter's max positions (or that asked for no speculation)
+decode target-only in the same batched call (k = 0), still exact.
+
+Backends (duck-typed, see runtime/ort_engines.py and tests/runtime/scripted.py):
+  target:  vocab_size, max_positions, new_cache(), forward(caches, tokens) -> (logits [b, q, V], feats [b, q, F])
+  drafter: vocab_size, num_draft_tokens, max_positions, verification, new_cache(), can_draft(committed),
+           draft(caches, bonus_tokens, contexts) -> logits [b, K, V_drafter]
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from runtime.manifest import load_manifest
 from runtime.metrics import SpecStats
-from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
+from runtime.sampling import RowSampler, SamplingParams
+from runtime.stops import StopChecker
 
 
 class InvariantError(AssertionError):
@@ -28,27 +42,88 @@ class InvariantError(AssertionError):
 
 @dataclasses.dataclass(slots=True)
 class GenerationResult:
-    token_ids: list[int]  # generated tokens only, stop token included when it ended generation
-    finish_reason: str  # "stop" (EOS / stop token) or "length" (max_new_tokens)
+    token_ids: list[int]  # generated tokens only, the stop token included when one ended generation
+    finish_reason: str  # "stop" (stop token / stop string) or "length" (max_new_tokens)
     stats: SpecStats
+    text: str | None = None  # decoded output (special tokens skipped, cut before a stop string); None without tokenizer
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """State of one request inside the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: RowSampler
+    stopper: StopChecker
+    target_cache: Any
+    drafter_cache: Any
+    num_draft_tokens: int
+    out: list[int] = dataclasses.field(default_factory=list)
+    pending_ctx: np.ndarray | None = None  # target features of committed positions the drafter has not cached
+    finish_reason: str | None = None
+    stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+
+    @property
+    def committed(self) -> int:
+        """Tokens whose K/V are in the target cache: the prompt and every emitted token but the pending bonus."""
+        return len(self.prompt_ids) + len(self.out) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def result(self) -> GenerationResult:
+        text = self.stopper.text(self.out) if self.stopper.tokenizer is not None else None
+        return GenerationResult(list(self.out), self.finish_reason or "", self.stats, text)
 
 
 class SpecEngine:
-    """Target + drafter engines of one engines/ folder and the greedy speculative loop (batch 1)."""
+    """A target and a drafter backend plus the speculative loop over a ragged batch of sequences.
 
-    def __init__(self, engine_dir: str | Path, device: str = "auto", threads: int | None = None,
-                 check_invariants: bool = False, verify_checksums: bool = True):
-        self.engine_dir = Path(engine_dir)
-        self.manifest = load_manifest(self.engine_dir, verify_checksums=verify_checksums)
-        self.target = OrtTarget(self.engine_dir, self.manifest, device, threads)
-        self.drafter = OrtDFlashDrafter(self.engine_dir, self.manifest, device, threads)
-        self.eos_token_ids = set(self.manifest["tokenizer"]["eos_token_ids"])
+    Args:
+        target, drafter: backends (module docstring); ``drafter`` may be None (target-only engine).
+        eos_token_ids: ids that end generation unless a request sets ignore_eos.
+        tokenizer: HF tokenizer (stop strings, output text); optional.
+        verification: "rejection" or "exact_match"; None = the drafter's own choice.
+        check_invariants: assert design.md §5's invariants after every round (tests).
+    """
+
+    def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
+                 check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._tokenizer = tokenizer
+        self.verification = verification or getattr(drafter, "verification", "rejection")
         self.check_invariants = check_invariants
-        self._tokenizer = None
+        self.manifest = manifest
+        self.engine_dir = engine_dir
+        self.sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_dir(cls, engine_dir: str | Path, device: str = "auto", threads: int | None = None,
+                 check_invariants: bool = False, verify_checksums: bool = True) -> "SpecEngine":
+        """Load an engines/ folder (runtime/manifest.py checks schema, files and checksums).
+
+        Raises:
+            EngineDirError: the folder is missing, incomplete or does not match its manifest.
+        """
+        from runtime.manifest import load_manifest
+        from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
+
+        engine_dir = Path(engine_dir)
+        manifest = load_manifest(engine_dir, verify_checksums=verify_checksums)
+        target = OrtTarget(engine_dir, manifest, device, threads)
+        drafter = OrtDFlashDrafter(engine_dir, manifest, device, threads)
+        return cls(target, drafter, eos_token_ids=manifest["tokenizer"]["eos_token_ids"],
+                   check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir)
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
+        if self._tokenizer is None and self.engine_dir is not None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.engine_dir / self.manifest["tokenizer"]["dir"])
@@ -58,118 +133,186 @@ class SpecEngine:
     def max_positions(self) -> int:
         return self.target.max_positions
 
-    def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Queue a request; its prefill runs at the next :meth:`step`.
+
+        Raises:
+            ValueError: empty prompt, ids outside the target vocabulary, prompt + max_new_tokens over the target's
+                positions, stop strings without a tokenizer, num_draft_tokens above the drafter's, duplicate id.
+        """
+        prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        vocab = self.manifest["target"]["vocab_size"]
+        vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_ids)}..{max(prompt_ids)}")
-        if len(prompt_ids) + max_new_tokens > self.max_positions:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"target's {self.max_positions} positions; shorten the prompt or lower max_new_tokens")
+        if len(prompt_ids) + params.max_new_tokens > self.max_positions:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"the target's {self.max_positions} positions; shorten the prompt or lower max_new_tokens")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab}")
+        k_max = self.drafter.num_draft_tokens if self.drafter is not None else 0
+        if params.num_draft_tokens is not None and params.num_draft_tokens > k_max:
+            raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds the drafter's {k_max}")
+        k = 0 if not params.speculative or self.drafter is None else (
+            k_max if params.num_draft_tokens is None else params.num_draft_tokens)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, prompt_ids, params, RowSampler.for_request(params),
+                       StopChecker(params, self.eos_token_ids, self.tokenizer),
+                       self.target.new_cache(), self.drafter.new_cache() if self.drafter is not None else None, k)
+        seq.stats.num_draft_tokens_per_round = k
+        self.sequences[request_id] = seq
+        return seq
 
-    def _prefill(self, prompt_ids: list[int], stats: SpecStats) -> tuple[int, np.ndarray]:
-        self.target.reset()
-        self.drafter.reset()
+    def abort(self, request_id: str) -> None:
+        """Drop a request and its caches at once (client gone); unknown ids are ignored."""
+        self.sequences.pop(request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    # ---------------------------------------------------------------- the loop
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Advance every active sequence by one round (new ones by their prefill).
+
+        Returns:
+            (sequence, tokens emitted this step) per sequence that emitted; finished sequences are removed from
+            the engine (their caches released) and carry ``finish_reason``.
+        """
+        seqs = list(self.sequences.values())
+        fresh = [s for s in seqs if not s.out]
+        emitted = [(s, self._prefill(s)) for s in fresh]
+        running = [s for s in seqs if s.out and not s.finished and s not in fresh]
+        if running:
+            emitted.extend(self._round(running))
+        for seq, _ in emitted:
+            if seq.finished:
+                self.sequences.pop(seq.request_id, None)
+        return emitted
+
+    def _prefill(self, seq: Sequence) -> list[int]:
         t0 = time.perf_counter()
-        logits, taps = self.target.forward(np.asarray([prompt_ids], np.int64))
-        stats.prefill_s = time.perf_counter() - t0
-        return int(logits[0, -1].argmax()), taps
+        logits, feats = self.target.forward([seq.target_cache], [seq.prompt_ids])
+        n = len(seq.prompt_ids)
+        token = seq.sampler.next_token(logits[0, n - 1])
+        seq.finish_reason = seq.stopper.extend(seq.out, [token])
+        seq.pending_ctx = feats[0, :n]
+        seq.stats.prefill_s = time.perf_counter() - t0
+        seq.stats.new_tokens = len(seq.out)
+        return [token]
 
-    def _target_step(self, token: int) -> int:
-        """One target decode step on ``token``; returns the target's greedy next token."""
-        logits, _ = self.target.forward(np.asarray([[token]], np.int64))
-        return int(logits[0, -1].argmax())
-
-    def generate_target_only(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
-        """Plain greedy decoding with the target engine (the baseline and the lossless reference)."""
-        self._check_prompt(prompt_ids, max_new_tokens)
-        stats = SpecStats()
-        token, _ = self._prefill(prompt_ids, stats)
-        out = [token]
+    def _round(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         t0 = time.perf_counter()
-        while len(out) < max_new_tokens and token not in self.eos_token_ids:
-            token = self._target_step(token)
-            out.append(token)
-        stats.decode_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        return GenerationResult(out, "stop" if out[-1] in self.eos_token_ids else "length", stats)
+        ks = []
+        for s in seqs:
+            remaining = s.params.max_new_tokens - len(s.out)  # >= 1
+            k = min(s.num_draft_tokens, remaining - 1)
+            if k > 0 and not self.drafter.can_draft(s.committed):
+                k = 0  # past the drafter's positions: this row continues target-only (exact)
+            ks.append(k)
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[np.ndarray | None] = [None] * len(seqs)
+        if drafting:
+            rows = [seqs[i] for i in drafting]
+            logits = self.drafter.draft([s.drafter_cache for s in rows], [s.out[-1] for s in rows],
+                                        [s.pending_ctx for s in rows])
+            vocab = self.target.vocab_size
+            for i, s, lg in zip(drafting, rows, logits):
+                s.pending_ctx = s.pending_ctx[:0]
+                # ids >= the target vocabulary (padding rows of a larger drafter head) can never be proposed
+                drafts[i], qs[i] = s.sampler.draft(lg[: ks[i], :vocab], self.verification)
+        t1 = time.perf_counter()
+        logits, feats = self.target.forward([s.target_cache for s in seqs],
+                                            [[s.out[-1], *d] for s, d in zip(seqs, drafts)])
+        t2 = time.perf_counter()
+        emitted = []
+        for r, (s, k) in enumerate(zip(seqs, ks)):
+            base = s.committed  # before this round: the target cache held `base` tokens, then 1 + k were appended
+            accepted, new = s.sampler.verify(drafts[r], qs[r], logits[r, : k + 1], self.verification)
+            before = len(s.out)
+            s.finish_reason = s.stopper.extend(s.out, new)
+            n_new = len(s.out) - before
+            if k > 0:
+                s.stats.record_round(min(accepted, n_new), k)
+            s.stats.draft_s += t1 - t0
+            s.stats.verify_s += t2 - t1
+            s.stats.new_tokens = len(s.out)
+            if s.finished:
+                s.target_cache = s.drafter_cache = s.pending_ctx = None  # release at once
+            else:
+                s.target_cache.truncate(base + n_new)  # x_s and the emitted tokens but the new pending bonus
+                s.pending_ctx = np.concatenate([s.pending_ctx, feats[r, :n_new]], axis=0)
+                if self.check_invariants:
+                    self._check_round(s, drafts[r])
+            emitted.append((s, s.out[before:]))
+        dt = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.decode_s += dt
+        return emitted
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, speculative: bool = True) -> GenerationResult:
-        """Greedy speculative generation; output ids equal :meth:`generate_target_only` (lossless).
+    def _check_round(self, s: Sequence, drafts: list[int]) -> None:
+        """Invariants after every round (design.md §5)."""
+        if s.target_cache.length != s.committed:
+            raise InvariantError(f"target KV length {s.target_cache.length} != committed tokens {s.committed}")
+        if self.drafter is not None:
+            cached = s.drafter_cache.length
+            if cached + s.pending_ctx.shape[0] != s.committed:
+                raise InvariantError(f"drafter cache {cached} + pending context {s.pending_ctx.shape[0]} != "
+                                     f"committed tokens {s.committed}: positions not contiguous")
+        if len(s.out) > s.params.max_new_tokens:
+            raise InvariantError(f"{len(s.out)} tokens emitted, max_new_tokens {s.params.max_new_tokens}")
+        if any(t in s.stopper.stop_ids for t in s.out):
+            raise InvariantError("a stop token was emitted but generation continued")
+        if any(t >= self.target.vocab_size for t in drafts):
+            raise InvariantError("a draft id outside the target vocabulary reached verification")
+
+    # ---------------------------------------------------------------- convenience
+    def generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[GenerationResult]:
+        """Run ``requests`` (prompt ids, params) together to completion; results in request order.
+
+        Raises:
+            ValueError: a request is invalid (nothing is queued then).
+        """
+        if self.sequences:
+            raise RuntimeError("generate_batch needs an idle engine; use add_request/step for continuous batching")
+        seqs = []
+        try:
+            for ids, params in requests:
+                seqs.append(self.add_request(ids, params))
+        except ValueError:
+            for s in seqs:
+                self.abort(s.request_id)
+            raise
+        while self.sequences:
+            self.step()
+        return [s.result() for s in seqs]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, *,
+                 params: SamplingParams | None = None, speculative: bool | None = None) -> GenerationResult:
+        """Generate for one request; greedy output equals :meth:`generate_target_only` (lossless).
 
         Args:
             prompt_ids: prompt token ids (non-empty, within the target vocabulary).
-            max_new_tokens: exact cap on generated tokens (>= 1).
-            speculative: False runs target-only decoding.
+            max_new_tokens: shorthand for ``SamplingParams(max_new_tokens=...)`` (greedy) when ``params`` is None.
+            params: full sampling parameters.
+            speculative: override ``params.speculative``.
         Raises:
-            ValueError: empty prompt, bad ids, max_new_tokens < 1, prompt + max_new_tokens over the target limit.
+            ValueError: see :meth:`add_request` and :class:`SamplingParams`.
         """
-        if not speculative:
-            return self.generate_target_only(prompt_ids, max_new_tokens)
-        self._check_prompt(prompt_ids, max_new_tokens)
-        block = self.drafter.block_size
-        stats = SpecStats(num_draft_tokens_per_round=block - 1)
-        bonus, ctx = self._prefill(prompt_ids, stats)
-        out = [bonus]
-        t0 = time.perf_counter()
-        while len(out) < max_new_tokens and out[-1] not in self.eos_token_ids:
-            s = self.target.kv_len
-            if s + block > min(self.drafter.max_positions, self.max_positions):
-                # Past the drafter's (or the target's) positions: finish target-only, still exact.
-                bonus = self._target_step(bonus)
-                out.append(bonus)
-                continue
-            t1 = time.perf_counter()
-            drafts = self.drafter.draft(bonus, ctx).argmax(-1)
-            t2 = time.perf_counter()
-            logits, taps = self.target.forward(np.asarray([[bonus, *drafts.tolist()]], np.int64))
-            stats.verify_s += time.perf_counter() - t2
-            stats.draft_s += t2 - t1
-            posterior = logits[0].argmax(-1)  # [B]: target's choice after each block slot
-            matches = drafts == posterior[:-1]
-            a = int(matches.argmin()) if not matches.all() else block - 1
-            stats.record_round(a)
-            # Emit d_1..d_a and the new bonus p_a, cut at a stop token / max_new_tokens; keep in the target cache
-            # exactly the committed tokens (x_s plus the emitted ones but the new pending bonus).
-            kept = _append_until_stop(out, [*drafts[:a].tolist(), int(posterior[a])], self.eos_token_ids,
-                                      max_new_tokens)
-            n_new = len(kept) - len(out)
-            self.target.truncate(s + n_new)
-            ctx = taps[:, :n_new]
-            out, bonus = kept, kept[-1]
-            if self.check_invariants:
-                self._check_round(len(prompt_ids), out, ctx)
-        stats.decode_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        reason = "stop" if out[-1] in self.eos_token_ids else "length"
-        return GenerationResult(out, reason, stats)
+        if params is None:
+            params = SamplingParams(max_new_tokens=16 if max_new_tokens is None else max_new_tokens)
+        elif max_new_tokens is not None:
+            params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+        if speculative is not None:
+            params = dataclasses.replace(params, speculative=speculative)
+        return self.generate_batch([(prompt_ids, params)])[0]
 
-    def _check_round(self, prompt_len: int, out: list[int], ctx: np.ndarray) -> None:
-        """Invariants after every round (design.md §5)."""
-        committed = prompt_len + len(out) - 1  # every emitted token but the pending bonus has its K/V cached
-        if self.target.kv_len != committed:
-            raise InvariantError(f"target KV length {self.target.kv_len} != committed tokens {committed}")
-        if self.drafter.kv_len + ctx.shape[1] != committed:
-            raise InvariantError(f"drafter cache {self.drafter.kv_len} + pending context {ctx.shape[1]} != "
-                                 f"committed tokens {committed}: positions not contiguous")
-        if self.drafter.kv_len >= committed:
-            raise InvariantError("drafter cache holds keys beyond the verified context")
-
-
-def _append_until_stop(out: list[int], new: list[int], stop_ids: set[int], max_new_tokens: int) -> list[int]:
-    """``out`` + ``new``, cut after the first stop token in ``new`` or at max_new_tokens, whichever comes first.
-
-    Only ``new`` is scanned: ``out`` never holds a stop token (the loop ends on one).
-    Example: out=[5], new=[7, 2, 9], stop={2}, max 10 -> [5, 7, 2]; max 2 -> [5, 7].
-    """
-    kept = list(out)
-    for tok in new:
-        if len(kept) >= max_new_tokens:
-            break
-        kept.append(tok)
-        if tok in stop_ids:
-            break
-    return kept
+    def generate_target_only(self, prompt_ids: list[int], max_new_tokens: int | None = None, *,
+                             params: SamplingParams | None = None) -> GenerationResult:
+        """Target-only decoding (the baseline and the lossless reference); same arguments as :meth:`generate`."""
+        return self.generate(prompt_ids, max_new_tokens, params=params, speculative=False)

@@ -1,8 +1,8 @@
 """Speculative-decoding statistics, defined once.
 
 Mean accepted length (MAL) = tokens committed per verify round = 1 + accepted draft tokens per round, the bonus
-token included (vLLM's ``mean acceptance length``). Acceptance per draft position j = fraction of rounds in which
-draft token j (1-based) was accepted.
+token included (vLLM's ``mean acceptance length``). Acceptance per draft position j = fraction of the rounds that
+drafted token j (1-based) in which it was accepted (requests near max_new_tokens draft fewer tokens).
 """
 from __future__ import annotations
 
@@ -15,19 +15,27 @@ class SpecStats:
     rounds: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    drafted_per_position: list[int] = dataclasses.field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     decode_s: float = 0.0  # wall time after prefill (drafting + verifying + loop overhead)
     new_tokens: int = 0
 
-    def record_round(self, num_accepted: int) -> None:
-        if not self.accepted_per_position:
-            self.accepted_per_position = [0] * self.num_draft_tokens_per_round
+    def record_round(self, num_accepted: int, num_drafted: int | None = None) -> None:
+        """One speculative round: ``num_accepted`` of ``num_drafted`` draft tokens kept (rounds without drafts are
+        target-only steps and are not recorded)."""
+        k = self.num_draft_tokens_per_round if num_drafted is None else num_drafted
+        width = max(k, self.num_draft_tokens_per_round)
+        if len(self.accepted_per_position) < width:
+            self.accepted_per_position += [0] * (width - len(self.accepted_per_position))
+            self.drafted_per_position += [0] * (width - len(self.drafted_per_position))
         self.rounds += 1
         self.accepted += num_accepted
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
+        for j in range(k):
+            self.drafted_per_position[j] += 1
 
     @property
     def mean_accepted_length(self) -> float:
@@ -36,7 +44,8 @@ class SpecStats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / self.rounds for a in self.accepted_per_position] if self.rounds else []
+        """Fraction of the rounds that drafted position j (1-based j = index + 1) in which it was accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     @property
     def tokens_per_s(self) -> float:

@@ -1,7 +1,10 @@
-"""ONNX Runtime engines for the target and the DFlash drafter of an engines/ folder, with their KV caches.
+"""ONNX Runtime engines for the target and the DFlash drafter of an engines/ folder, with per-sequence KV caches.
 
-Both keep batch 1 state here (the vertical slice); each owns its cache as a list of numpy arrays
-``[1, kv_heads, kv_len, head_dim]``. Rollback is a slice (a view: no copy of the kept prefix).
+Each sequence owns a :class:`KVCache` per graph (a list of numpy arrays ``[1, kv_heads, length, head_dim]``,
+rollback is a slice). A batched target call pads the rows' caches on the right into ``[batch, kv_heads, L_max,
+head_dim]`` and masks the padding out with ``attention_mask``; each row's new K/V are then cut back out of the
+present tensors, so padding and placeholder slots never enter any cache. (Issue 8 replaces the per-step padding
+copy with preallocated buffers bound through IOBinding.)
 """
 from __future__ import annotations
 
@@ -37,11 +40,51 @@ def providers(device: str = "auto") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-class _CachedGraph:
-    """One ONNX Runtime session whose KV cache (flat past/present tensors) this object owns.
+class KVCache:
+    """One sequence's KV cache of one graph: ``kv[2 * layer + {0: K, 1: V}]`` = ``[1, kv_heads, length, head_dim]``."""
 
-    ``kv``: list over layers of K then V, each ``[1, kv_heads, kv_len, head_dim]`` float32. Rollback is a slice.
-    """
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int) -> None:
+        empty = np.zeros((1, kv_heads, 0, head_dim), np.float32)
+        self.kv: list[np.ndarray] = [empty] * (2 * num_layers)
+
+    @property
+    def length(self) -> int:
+        return self.kv[0].shape[2]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions (rollback of rejected tokens; a view, no copy)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.kv = [t[:, :, :length] for t in self.kv]
+
+
+def _pad_caches(caches: list[KVCache]) -> tuple[list[np.ndarray], int]:
+    """Right-pad the rows' caches into batched arrays ``[batch, kv_heads, L_max, head_dim]``; returns (arrays, L_max)."""
+    if len(caches) == 1:
+        return caches[0].kv, caches[0].length
+    l_max = max(c.length for c in caches)
+    out = []
+    for layer in range(len(caches[0].kv)):
+        first = caches[0].kv[layer]
+        buf = np.zeros((len(caches), first.shape[1], l_max, first.shape[3]), first.dtype)
+        for r, c in enumerate(caches):
+            buf[r, :, : c.length] = c.kv[layer][0]
+        out.append(buf)
+    return out, l_max
+
+
+def _unpad_present(present: list[np.ndarray], caches: list[KVCache], l_max: int, new_lens: list[int]) -> None:
+    """Give each row back its old K/V plus its ``new_lens[r]`` real new positions (placeholders dropped)."""
+    if len(caches) == 1:
+        caches[0].kv = [t[:, :, : l_max + new_lens[0]] for t in present]
+        return
+    for r, c in enumerate(caches):
+        old, n = c.length, new_lens[r]
+        c.kv = [np.concatenate([t[r: r + 1, :, :old], t[r: r + 1, :, l_max: l_max + n]], axis=2) for t in present]
+
+
+class _Graph:
+    """One ONNX Runtime session of an engines/ folder."""
 
     def __init__(self, engine_dir: Path, graph: dict[str, Any], dims: tuple[int, int, int], device: str,
                  threads: int | None):
@@ -52,84 +95,108 @@ class _CachedGraph:
         self.num_layers, self.kv_heads, self.head_dim = dims
         self.kv_names = [n for n in graph["inputs"] if n.startswith("past_")]
         self.out_names = graph["outputs"]
-        self.reset()
 
-    def reset(self) -> None:
-        empty = np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32)
-        self.kv = [empty] * (2 * self.num_layers)
-
-    @property
-    def kv_len(self) -> int:
-        return self.kv[0].shape[2]
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` cached positions (rollback of rejected tokens)."""
-        assert 0 <= length <= self.kv_len, (length, self.kv_len)
-        self.kv = [t[:, :, :length] for t in self.kv]
+    def new_cache(self) -> KVCache:
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim)
 
 
-class OrtTarget(_CachedGraph):
-    """Target graph + KV cache. ``forward`` appends to the cache; ``truncate`` rolls it back."""
+class OrtTarget(_Graph):
+    """Target graph: ``forward`` runs a ragged batch of rows and appends each row's real tokens to its cache."""
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
         t = manifest["target"]
         super().__init__(engine_dir, manifest["graphs"]["target"],
                          (t["num_layers"], t["num_key_value_heads"], t["head_dim"]), device, threads)
         self.max_positions = t["max_position_embeddings"]
+        self.vocab_size = t["vocab_size"]
 
-    def forward(self, input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Run ``input_ids`` [1, q_len] int64 at positions kv_len .. kv_len + q_len - 1 and append their K/V.
+    def forward(self, caches: list[KVCache], tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Run each row's ``tokens[r]`` at positions ``caches[r].length ..`` and append their K/V to ``caches[r]``.
 
-        Returns logits [1, q_len, vocab] f32 and taps [1, q_len, F] f32.
-        Raises ValueError if the positions would pass the target's max_position_embeddings.
+        Args:
+            caches: one cache per row (rows may hold different lengths).
+            tokens: per row >= 1 token ids; rows may differ in length (placeholders pad them to q_max; they attend
+                nothing a real token reads and are dropped from the caches).
+        Returns:
+            logits ``[batch, q_max, vocab]`` f32 and taps ``[batch, q_max, F]`` f32; row r is valid for its first
+            ``len(tokens[r])`` slots.
+        Raises:
+            ValueError: a row is empty or would pass the target's max_position_embeddings.
         """
-        q = input_ids.shape[1]
-        start = self.kv_len
-        if start + q > self.max_positions:
-            raise ValueError(f"sequence of {start + q} tokens exceeds the target's {self.max_positions} positions")
-        feed = {"input_ids": input_ids.astype(np.int64),
-                "position_ids": np.arange(start, start + q, dtype=np.int64)[None],
-                "attention_mask": np.ones((1, start + q), np.int64)}
-        feed.update(zip(self.kv_names, self.kv))
+        lens = [len(t) for t in tokens]
+        if min(lens) < 1:
+            raise ValueError("every row needs at least one token")
+        for c, n in zip(caches, lens):
+            if c.length + n > self.max_positions:
+                raise ValueError(f"sequence of {c.length + n} tokens exceeds the target's {self.max_positions} "
+                                 "positions")
+        b, q = len(tokens), max(lens)
+        past, l_max = _pad_caches(caches)
+        ids = np.zeros((b, q), np.int64)
+        pos = np.zeros((b, q), np.int64)
+        mask = np.zeros((b, l_max + q), np.int64)
+        for r, (c, row) in enumerate(zip(caches, tokens)):
+            ids[r, : len(row)] = row
+            ids[r, len(row):] = row[-1]  # placeholder slots: after every real token of the row (causal)
+            pos[r] = np.minimum(np.arange(c.length, c.length + q), self.max_positions - 1)
+            mask[r, : c.length] = 1
+            mask[r, l_max: l_max + len(row)] = 1
+        feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+        feed.update(zip(self.kv_names, past))
         logits, taps, *present = self.session.run(self.out_names, feed)
-        self.kv = present
+        _unpad_present(present, caches, l_max, lens)
         return logits, taps
 
 
-class OrtDFlashDrafter(_CachedGraph):
-    """DFlash drafter graph + its context KV cache (holds only verified context: block K/V are never returned)."""
+class OrtDFlashDrafter(_Graph):
+    """DFlash drafter graph + per-sequence context caches (verified context only: block K/V are never returned).
+
+    Rows are drafted one graph call each (the exported drafter has no key-padding mask yet).
+    """
+
+    family = "dflash"
+    verification = "rejection"  # runtime/sampling.py explains the choice
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
         d = manifest["drafter"]["config"]
         super().__init__(engine_dir, manifest["graphs"]["drafter"],
                          (d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]), device, threads)
         self.block_size = d["block_size"]
+        self.num_draft_tokens = self.block_size - 1
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
         target_graph = engine_dir / manifest["graphs"]["target"]["file"]
         self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()}
+        self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
 
-    def draft(self, bonus_token: int, target_hidden: np.ndarray) -> np.ndarray:
-        """Draft B-1 tokens after ``bonus_token``.
+    def can_draft(self, committed: int) -> bool:
+        """True when a block at positions committed .. committed + B - 1 fits the drafter's positions."""
+        return committed + self.block_size <= self.max_positions
+
+    def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[np.ndarray]) -> np.ndarray:
+        """Draft B-1 tokens after each row's bonus token.
 
         Args:
-            bonus_token: the last token the target produced (block slot 0), at position s = kv_len + ctx_len.
-            target_hidden: [1, ctx_len, F] f32 taps of the verified positions not yet in the cache
-                (ctx_len >= 1: the positions kv_len .. s - 1).
+            caches: per row, the drafter cache of positions 0 .. kv_len - 1.
+            bonus_tokens: per row the last token the target produced (block slot 0, at position s).
+            contexts: per row ``[ctx_len, F]`` f32 taps of the verified positions kv_len .. s - 1 (ctx_len >= 1);
+                they are appended to the row's cache.
         Returns:
-            logits [B - 1, vocab] f32 for slots 1..B-1. The cache then covers positions 0 .. s - 1.
+            logits ``[batch, B - 1, vocab]`` f32 for block slots 1..B-1.
         """
-        ctx = target_hidden.shape[1]
-        start = self.kv_len
-        block = np.full((1, self.block_size), self.mask_token_id, np.int64)
-        block[0, 0] = bonus_token
-        feed = {"input_ids": block, "target_hidden": target_hidden.astype(np.float32),
-                "position_ids": np.arange(start, start + ctx + self.block_size, dtype=np.int64)[None]}
-        feed.update(zip(self.kv_names, self.kv))
-        feed.update(self.shared)
-        logits, *present = self.session.run(self.out_names, feed)
-        self.kv = present
-        return logits[0]
+        out = []
+        for cache, bonus, ctx in zip(caches, bonus_tokens, contexts):
+            start, n = cache.length, ctx.shape[0]
+            block = np.full((1, self.block_size), self.mask_token_id, np.int64)
+            block[0, 0] = bonus
+            feed = {"input_ids": block, "target_hidden": ctx[None].astype(np.float32),
+                    "position_ids": np.arange(start, start + n + self.block_size, dtype=np.int64)[None]}
+            feed.update(zip(self.kv_names, cache.kv))
+            feed.update(self.shared)
+            logits, *present = self.session.run(self.out_names, feed)
+            cache.kv = present
+            out.append(logits[0])
+        return np.stack(out)
 
 
 def _shared_tensor(target_graph: Path, spec: dict) -> np.ndarray:

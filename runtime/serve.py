@@ -2,8 +2,9 @@
 
     python -m runtime.serve --engine engines/ [--host 127.0.0.1] [--port 8000]
 
-Endpoints: POST /v1/completions (non-streaming, greedy), GET /v1/models, GET /health. Requests run one at a time on
-the engine (a lock); concurrency, streaming, sampling and chat arrive with the serving issue.
+Endpoints: POST /v1/completions (non-streaming; greedy or sampled: temperature, top_p, top_k, seed, stop),
+GET /v1/models, GET /health. Requests run one at a time on the engine (a lock); concurrency, streaming and chat
+arrive with the serving issue.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from runtime.sampling import SamplingParams
+
 
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -27,7 +30,10 @@ class CompletionRequest(BaseModel):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)  # accepted for compatibility; greedy ignores it
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     logprobs: int | None = None
@@ -74,23 +80,26 @@ def create_app(engine, model_name: str = "sharpdraft") -> FastAPI:
     async def completions(req: CompletionRequest) -> JSONResponse:
         if req.model not in (None, model_name):
             raise HTTPException(404, f"model {req.model!r} does not exist; this server serves {model_name!r}")
-        unsupported = [name for name, bad in (("stream=true", req.stream), ("stop", req.stop),
+        unsupported = [name for name, bad in (("stream=true", req.stream),
                                               ("logprobs", req.logprobs is not None), ("n > 1", req.n > 1)) if bad]
         if unsupported:
             raise HTTPException(400, f"{', '.join(unsupported)}: not supported yet; remove it from the request")
-        if req.temperature > 0:
-            raise HTTPException(400, "only greedy decoding (temperature 0) is supported yet; send temperature=0")
         ids = engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         if not ids:
             raise HTTPException(400, "prompt encodes to zero tokens; give a non-empty prompt")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        try:
+            params = SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
         async with lock:
             try:
-                result = await asyncio.to_thread(engine.generate, ids, req.max_tokens)
+                result = await asyncio.to_thread(engine.generate, ids, params=params)
             except ValueError as e:
                 raise HTTPException(400, str(e)) from e
         out = result.token_ids
-        shown = out[:-1] if result.finish_reason == "stop" else out
-        text = engine.tokenizer.decode(shown, skip_special_tokens=False)
+        text = result.text
         if req.echo:
             text = engine.tokenizer.decode(ids) + text
         body: dict[str, Any] = {
@@ -118,7 +127,7 @@ def main(engine_dir: Path, host: str, port: int, device: str) -> None:
     from runtime.manifest import EngineDirError
 
     try:
-        engine = SpecEngine(engine_dir, device=device)
+        engine = SpecEngine.from_dir(engine_dir, device=device)
     except (EngineDirError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     uvicorn.run(create_app(engine, model_name=engine_dir.resolve().name), host=host, port=port, log_level="info")

@@ -31,7 +31,7 @@ END_TOKEN = 3500
 @click.option("--chat", default=4, help="number of held-out HumanEval chat prompts")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(engine_dir: Path, context: int, new_tokens: int, chat: int, json_out: Path | None):
-    engine = SpecEngine(engine_dir)
+    engine = SpecEngine.from_dir(engine_dir)
     tok = engine.tokenizer
     docs = {**plays("heldout"), **stdlib_modules("heldout")}
     prompts = {}

@@ -7,6 +7,7 @@ import pytest
 
 from runtime.engine import SpecEngine
 from runtime.manifest import EngineDirError
+from runtime.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Once upon a time, in a land far away,",
            "import numpy as np\nx = np.arange(10)\n", "What is the capital of France?"]
@@ -14,26 +15,35 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Once upon a time, in a l
 
 @pytest.fixture(scope="module")
 def engine(tiny_engines):
-    return SpecEngine(tiny_engines, device="cpu", check_invariants=True)
+    return SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
 
 
-def _oracle(engine, prompt_ids, max_new, wrong_at=None):
-    """Make the drafter propose the target's own greedy continuation (wrong at slot ``wrong_at`` if given)."""
-    ref = engine.generate_target_only(prompt_ids, max_new + engine.drafter.block_size).token_ids
-    real_draft = engine.drafter.draft
-    vocab = engine.manifest["target"]["vocab_size"]
+class ReplayDrafter:
+    """Wraps the real ORT drafter (its cache path still runs) and replaces its logits with the target's own greedy
+    continuation ``ref`` of a prompt of ``prompt_len`` tokens (oracle), wrong at slot ``wrong_at`` (saboteur)."""
 
-    def draft(bonus, ctx):
-        real_draft(bonus, ctx)  # keep the drafter cache path exercised
-        done = engine.target.kv_len - len(prompt_ids) + 1  # tokens emitted so far (kv holds all but the bonus)
-        want = (ref[done: done + engine.drafter.block_size - 1] + [0] * 8)[: engine.drafter.block_size - 1]
-        if wrong_at is not None:
-            want[wrong_at] = (want[wrong_at] + 1) % vocab
-        logits = np.zeros((len(want), vocab), np.float32)
-        logits[np.arange(len(want)), want] = 1.0
+    def __init__(self, inner, prompt_len, ref, wrong_at=None):
+        self.inner, self.prompt_len, self.ref, self.wrong_at = inner, prompt_len, ref, wrong_at
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, caches, bonus_tokens, contexts):
+        logits = self.inner.draft(caches, bonus_tokens, contexts)
+        k = logits.shape[1]
+        for r, cache in enumerate(caches):
+            done = cache.length - self.prompt_len + 1  # tokens emitted so far: the cache covers all but the bonus
+            want = (self.ref[done: done + k] + [0] * k)[:k]
+            if self.wrong_at is not None:
+                want[self.wrong_at] = (want[self.wrong_at] + 1) % logits.shape[2]
+            logits[r] = 0.0
+            logits[r, np.arange(k), want] = 1.0
         return logits
 
-    engine.drafter.draft = draft
+
+def _replay(engine, prompt_ids, max_new, wrong_at=None):
+    ref = engine.generate_target_only(prompt_ids, max_new + engine.drafter.block_size).token_ids
+    engine.drafter = ReplayDrafter(engine.drafter, len(prompt_ids), ref, wrong_at)
     return ref
 
 
@@ -48,41 +58,30 @@ def test_lossless_against_target_only(engine, prompt):
 
 
 def test_oracle_drafter_accepts_full_blocks(tiny_engines):
-    eng = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
+    eng = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
     ids = eng.tokenizer.encode(PROMPTS[0])
-    ref = _oracle(eng, ids, 30)
+    ref = _replay(eng, ids, 30)
     out = eng.generate(ids, 30)
     assert out.token_ids == ref[:30]
     b = eng.drafter.block_size
-    assert out.stats.mean_accepted_length == b  # every round accepts all B-1 drafts, then the bonus
-    assert out.stats.rounds == -(-(30 - 1) // b)  # 1 token from prefill, then B per round
-    assert out.stats.acceptance_per_position[0] == 1.0
+    # 1 token from prefill, 7 full rounds of B = 4 (MAL exactly B), then 1 token left: a plain target step
+    assert out.stats.mean_accepted_length == b and out.stats.rounds == (30 - 1) // b
+    assert out.stats.acceptance_per_position == [1.0] * (b - 1)
 
 
 @pytest.mark.parametrize("wrong_at", [0, 1, 2])
 def test_saboteur_drafter_rejected_at_its_slot(tiny_engines, wrong_at):
-    eng = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
+    eng = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
     ids = eng.tokenizer.encode(PROMPTS[2])
-    ref = _oracle(eng, ids, 25, wrong_at=wrong_at)
+    ref = _replay(eng, ids, 25, wrong_at=wrong_at)
     out = eng.generate(ids, 25)
     assert out.token_ids == ref[:25]
     acc = out.stats.acceptance_per_position
     assert all(a == 1.0 for a in acc[:wrong_at]) and acc[wrong_at] == 0.0
-    assert out.stats.mean_accepted_length == pytest.approx(1 + wrong_at)
-
-
-@pytest.mark.parametrize("max_new", [1, 2, 5, 7, 13])
-def test_max_new_tokens_exact_and_cache_trimmed(tiny_engines, max_new):
-    eng = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
-    ids = eng.tokenizer.encode(PROMPTS[1])
-    ref = _oracle(eng, ids, max_new)
-    out = eng.generate(ids, max_new)
-    assert out.token_ids == ref[:max_new] and out.finish_reason == "length"
-    assert eng.target.kv_len == len(ids) + max_new - 1
 
 
 def test_stop_token_inside_accepted_block(tiny_engines):
-    eng = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
+    eng = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
     block = eng.drafter.block_size
     for prompt in PROMPTS:  # find a prompt whose continuation has a fresh token in the middle of a block
         ids = eng.tokenizer.encode(prompt)
@@ -91,11 +90,80 @@ def test_stop_token_inside_accepted_block(tiny_engines):
         if at is not None:
             break
     assert at is not None, "no prompt gives a fresh mid-block token on the tiny target"
-    ref = _oracle(eng, ids, 20)
-    eng.eos_token_ids = {ref[at]}
+    ref = _replay(eng, ids, 20)
+    eng.eos_token_ids = frozenset({ref[at]})
     out = eng.generate(ids, 20)
     assert out.token_ids == ref[: at + 1] and out.finish_reason == "stop"
-    assert eng.target.kv_len == len(ids) + at  # nothing after the stop is kept in the cache
+    assert not eng.sequences  # finished: its caches were released
+
+
+def test_case3_greedy_and_sampled_rows_share_a_batch(engine):
+    """A at temperature 0 with top_p 0.9, B at 0.8: A equals its solo greedy run; nothing is NaN/inf."""
+    a_ids, b_ids = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(PROMPTS[3])
+    solo = engine.generate(a_ids, 24).token_ids
+    seen = []
+    forward = engine.target.forward
+
+    def checked(caches, tokens):
+        logits, taps = forward(caches, tokens)
+        seen.append(bool(np.isfinite(logits).all() and np.isfinite(taps).all()))
+        return logits, taps
+
+    engine.target.forward = checked
+    try:
+        a, b = engine.generate_batch([(a_ids, SamplingParams(max_new_tokens=24, temperature=0.0, top_p=0.9)),
+                                      (b_ids, SamplingParams(max_new_tokens=24, temperature=0.8, seed=3))])
+    finally:
+        del engine.target.forward
+    assert a.token_ids == solo and len(b.token_ids) == 24 and all(seen)
+    for t in (1e-6, 1e-5):  # below and at the greedy epsilon: both give the greedy tokens, no overflow
+        out = engine.generate(a_ids, params=SamplingParams(max_new_tokens=24, temperature=t, seed=0))
+        assert out.token_ids == solo
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_case7_batch_of_three_draft_counts(engine, temperature):
+    """4, 1 and 0 draft tokens per round in one batch: each row equals its solo run; identical requests agree."""
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = [SamplingParams(max_new_tokens=20, temperature=temperature, seed=11, num_draft_tokens=k)
+              for k in (3, 1, 0)]  # the tiny drafter's block is 4: 3 draft tokens is its maximum
+    solo = [engine.generate(p, params=q).token_ids for p, q in zip(prompts, params)]
+    batch = engine.generate_batch(list(zip(prompts, params)))
+    assert [r.token_ids for r in batch] == solo
+    twins = engine.generate_batch([(prompts[0], params[0]), (prompts[0], params[0])])
+    assert twins[0].token_ids == twins[1].token_ids == solo[0]
+    if temperature == 0:
+        assert solo[2] == engine.generate_target_only(prompts[2], 20).token_ids
+
+
+def test_case8_prompt_near_drafter_limit_continues_target_only(tiny_engines):
+    """Drafter max positions 256, prompt of 250 tokens, max_new_tokens 50: completes, equals target-only greedy."""
+    eng = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
+    eng.drafter.max_positions = 256
+    ids = (eng.tokenizer.encode(" ".join(PROMPTS)) * 20)[:250]
+    base = eng.generate_target_only(ids, 50)
+    out = eng.generate(ids, 50)
+    assert out.token_ids == base.token_ids and out.stats.rounds <= 3  # blocks fit up to s = 252
+    nxt = eng.tokenizer.encode(PROMPTS[1])
+    assert eng.generate(nxt, 10).token_ids == eng.generate_target_only(nxt, 10).token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_case9_padded_drafter_vocabulary(tiny_engines, temperature):
+    """Drafter vocabulary 49152 + 128 padding rows with a large bias on a padding row: never proposed."""
+    from tests.runtime.scripted import PaddedVocabDrafter
+
+    eng = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
+    eng.drafter = PaddedVocabDrafter(eng.drafter, pad=128, bias_row=49152 + 77)
+    seen = []
+    forward = eng.target.forward
+    eng.target.forward = lambda caches, tokens: (seen.extend(t for row in tokens for t in row),
+                                                 forward(caches, tokens))[1]
+    ids = eng.tokenizer.encode(PROMPTS[4])
+    out = eng.generate(ids, params=SamplingParams(max_new_tokens=30, temperature=temperature, seed=2))
+    assert len(out.token_ids) == 30 and max(seen) < 49152
+    if temperature == 0:
+        assert out.token_ids == eng.generate_target_only(ids, 30).token_ids
 
 
 @pytest.mark.parametrize("ids, max_new, match", [([], 4, "empty"), ([1, 2], 0, "max_new_tokens"),
@@ -117,7 +185,7 @@ def test_engine_dir_checksum_mismatch(tiny_engines, tmp_path):
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
     with pytest.raises(EngineDirError, match="checksum mismatch.*drafter/model.onnx.data"):
-        SpecEngine(eng)
+        SpecEngine.from_dir(eng)
 
 
 @pytest.mark.parametrize("edit, match", [("schema", "schema_version"), ("json", "not valid JSON"),
@@ -134,25 +202,14 @@ def test_engine_dir_bad_manifest(tiny_engines, tmp_path, edit, match):
         (eng / "target" / "model.onnx.data").unlink()
     mf.write_text("{" if edit == "json" else json.dumps(m))
     with pytest.raises(EngineDirError, match=match):
-        SpecEngine(eng)
+        SpecEngine.from_dir(eng)
 
 
 def test_missing_engine_dir(tmp_path):
     with pytest.raises(EngineDirError, match="no such folder"):
-        SpecEngine(tmp_path / "nowhere")
+        SpecEngine.from_dir(tmp_path / "nowhere")
     with pytest.raises(EngineDirError, match="not an engines folder"):
-        SpecEngine(tmp_path)
-
-
-def test_past_drafter_positions_continues_target_only(tiny_engines):
-    """When s + B would pass the drafter's max positions, the request finishes target-only, still exact."""
-    eng = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
-    ids = eng.tokenizer.encode(PROMPTS[4])
-    base = eng.generate_target_only(ids, 30)
-    eng.drafter.max_positions = len(ids) + 12
-    out = eng.generate(ids, 30)
-    assert out.token_ids == base.token_ids
-    assert 1 <= out.stats.rounds <= 12 and eng.target.kv_len == len(ids) + 29
+        SpecEngine.from_dir(tmp_path)
 
 
 def test_generate_cli_on_bad_engine_dir(tmp_path):

@@ -8,7 +8,7 @@ from runtime.serve import create_app
 
 @pytest.fixture(scope="module")
 def client_engine(tiny_engines):
-    engine = SpecEngine(tiny_engines, device="cpu", check_invariants=True)
+    engine = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
     return TestClient(create_app(engine, "tiny")), engine
 
 
@@ -22,8 +22,7 @@ def test_completion_matches_target_only(client_engine):
     assert body["object"] == "text_completion" and body["model"] == "tiny"
     choice = body["choices"][0]
     assert choice["finish_reason"] == ref.finish_reason
-    shown = ref.token_ids[:-1] if ref.finish_reason == "stop" else ref.token_ids
-    assert choice["text"] == engine.tokenizer.decode(shown)
+    assert choice["text"] == engine.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.token_ids),
                              "total_tokens": len(ids) + len(ref.token_ids)}
     assert body["sharpdraft"]["rounds"] >= 1
@@ -49,13 +48,13 @@ def test_token_id_prompt_and_models(client_engine):
     ({"prompt": [[]], "max_tokens": 3}, "empty"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "hi", "temperature": 0.7}, "temperature 0"),
+    ({"prompt": "hi", "top_k": -2}, "top_k"),
     ({"prompt": "hi", "stream": True}, "stream"),
     ({"prompt": [1, 10**6], "max_tokens": 2}, "token ids"),
     ({"prompt": [1] * 4095, "max_tokens": 5}, "exceeds"),
     ({"max_tokens": 5}, "prompt"),
     ({"prompt": "hi", "top_p": 2}, "top_p"),
-    ({"prompt": "hi", "stop": ["\n"]}, "stop"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "logprobs": 2}, "logprobs"),
     ({"prompt": "hi", "n": 2}, "n > 1"),
 ])
@@ -65,3 +64,24 @@ def test_bad_requests_then_good_one(client_engine, payload, needle):
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_sampled_request_with_seed_is_reproducible(client_engine):
+    client, _ = client_engine
+    body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 7}
+    a, b = client.post("/v1/completions", json=body).json(), client.post("/v1/completions", json=body).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["usage"]["completion_tokens"] == 10
+
+
+def test_stop_string_cuts_text_and_usage(client_engine):
+    client, engine = client_engine
+    ids = engine.tokenizer.encode("def add(a, b):")
+    ref = engine.generate_target_only(ids, 12).token_ids
+    text = engine.tokenizer.decode(ref[:6], skip_special_tokens=True)
+    stop = text[-2:].strip() or text[-3:]
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "stop": [stop]}).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+    n = r["usage"]["completion_tokens"]
+    assert n <= 6 and stop in engine.tokenizer.decode(ref[:n]) and stop not in engine.tokenizer.decode(ref[:n - 1])
