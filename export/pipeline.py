@@ -76,11 +76,48 @@ def check_pair(drafter: DFlashDrafter, target) -> None:
         problems.append(f"hidden_size {d.hidden_size} vs target {t.hidden_size}")
     if d.num_target_layers != t.num_hidden_layers:
         problems.append(f"num_target_layers {d.num_target_layers} vs target layers {t.num_hidden_layers}")
-    if d.vocab_size != t.vocab_size:
-        problems.append(f"vocab_size {d.vocab_size} vs target {t.vocab_size}")
     if problems:
         raise ExportError("drafter checkpoint does not fit this target: " + "; ".join(problems)
                           + " (pass the --target it was trained for)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_vocabulary(drafter_dir: Path | None, drafter_vocab_size: int, target_vocab_size: int, target_tok) -> None:
+    """Refuse a drafter whose vocabulary is not the target's.
+
+    Rows at ids >= len(target tokenizer) are padding (embedding/LM-head rows padded to a multiple of 64 or 128):
+    vocab sizes that differ only there are accepted, and the runtime never proposes a padding id. When the drafter
+    checkpoint ships its own tokenizer (PARD and EAGLE-3 checkpoints often do), every id's token string must equal
+    the target's.
+
+    Raises:
+        ExportError: a vocabulary smaller than the tokenizer, a tokenizer of another size, or the first id whose
+            token string differs (named, with both strings).
+    """
+    n = len(target_tok)
+    for who, size in (("drafter", drafter_vocab_size), ("target", target_vocab_size)):
+        if size < n:
+            raise ExportError(f"{who} vocab_size {size} is smaller than the target tokenizer's {n} tokens: the "
+                              "drafter was trained for another tokenizer; use a drafter made for this target")
+    if drafter_dir is None or not any((Path(drafter_dir) / f).is_file() for f in TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        dtok = AutoTokenizer.from_pretrained(drafter_dir)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{drafter_dir}: the drafter's tokenizer files cannot be loaded ({e})") from e
+    ours, theirs = target_tok.convert_ids_to_tokens(list(range(n))), dtok.convert_ids_to_tokens(
+        list(range(min(n, len(dtok)))))
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            raise ExportError(f"drafter and target vocabularies differ at token id {i}: drafter {b!r}, target "
+                              f"{a!r}; the drafter was trained with another tokenizer")
+    if len(dtok) != n:
+        raise ExportError(f"drafter tokenizer has {len(dtok)} tokens, the target's {n} (first differing id "
+                          f"{min(n, len(dtok))}); the drafter was trained with another tokenizer")
 
 
 def find_shared_weights(target_onnx: Path) -> dict:
@@ -148,6 +185,7 @@ def run_export(cfg: ExportConfig) -> dict:
     except (CheckpointError, TargetLoadError) as e:
         raise ExportError(str(e)) from e
     check_pair(drafter, target)
+    check_vocabulary(ckpt, drafter.config.vocab_size, target.config.vocab_size, tok)
     profile, profile_source = choose_profile(cfg, drafter)
     taps = drafter.config.target_layer_ids
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))

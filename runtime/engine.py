@@ -91,8 +91,11 @@ class SpecEngine:
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
-                 check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None):
+                 check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None,
+                 proposable_vocab: int | None = None):
         self.target = target
+        # ids >= this are padding rows (of the drafter's or the target's head): never proposed as draft tokens
+        self.proposable_vocab = min(proposable_vocab or target.vocab_size, target.vocab_size)
         self.drafter = drafter
         self.eos_token_ids = frozenset(eos_token_ids)
         self._tokenizer = tokenizer
@@ -119,7 +122,8 @@ class SpecEngine:
         target = OrtTarget(engine_dir, manifest, device, threads)
         drafter = OrtDFlashDrafter(engine_dir, manifest, device, threads)
         return cls(target, drafter, eos_token_ids=manifest["tokenizer"]["eos_token_ids"],
-                   check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir)
+                   check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir,
+                   proposable_vocab=manifest["tokenizer"]["vocab_size"])
 
     @property
     def tokenizer(self):
@@ -221,11 +225,9 @@ class SpecEngine:
             rows = [seqs[i] for i in drafting]
             logits = self.drafter.draft([s.drafter_cache for s in rows], [s.out[-1] for s in rows],
                                         [s.pending_ctx for s in rows])
-            vocab = self.target.vocab_size
             for i, s, lg in zip(drafting, rows, logits):
                 s.pending_ctx = s.pending_ctx[:0]
-                # ids >= the target vocabulary (padding rows of a larger drafter head) can never be proposed
-                drafts[i], qs[i] = s.sampler.draft(lg[: ks[i], :vocab], self.verification)
+                drafts[i], qs[i] = s.sampler.draft(self._draft_logits(lg, ks[i]), self.verification)
         t1 = time.perf_counter()
         logits, feats = self.target.forward([s.target_cache for s in seqs],
                                             [[s.out[-1], *d] for s, d in zip(seqs, drafts)])
@@ -255,6 +257,17 @@ class SpecEngine:
             s.stats.decode_s += dt
         return emitted
 
+    def _draft_logits(self, logits: np.ndarray, k: int) -> np.ndarray:
+        """The drafter's logits ``[K, V_drafter]`` as ``[k, V_target]`` f32 with padding ids at -inf.
+
+        Padding rows (ids >= ``proposable_vocab``, e.g. a drafter head padded to a multiple of 128) can then never
+        be drafted, greedy or sampled, and q has the target's width for the rejection test.
+        """
+        out = np.full((k, self.target.vocab_size), -np.inf, np.float32)
+        width = min(logits.shape[-1], self.proposable_vocab)
+        out[:, :width] = logits[:k, :width]
+        return out
+
     def _check_round(self, s: Sequence, drafts: list[int]) -> None:
         """Invariants after every round (design.md §5)."""
         if s.target_cache.length != s.committed:
@@ -268,7 +281,7 @@ class SpecEngine:
             raise InvariantError(f"{len(s.out)} tokens emitted, max_new_tokens {s.params.max_new_tokens}")
         if any(t in s.stopper.stop_ids for t in s.out):
             raise InvariantError("a stop token was emitted but generation continued")
-        if any(t >= self.target.vocab_size for t in drafts):
+        if any(t >= self.proposable_vocab for t in drafts):
             raise InvariantError("a draft id outside the target vocabulary reached verification")
 
     # ---------------------------------------------------------------- convenience

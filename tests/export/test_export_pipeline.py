@@ -176,3 +176,34 @@ def test_no_query_scale_export_is_frozen(tmp_path, tiny_target_dir, tiny_dflash_
     assert all(p["beta"] == 1.0 for p in m["validation"]["drafter"]["points"])
     g = onnx.load(str(out / "drafter" / "model.onnx"), load_external_data=False)
     assert not any(n.name.startswith("sharpdraft/") for n in g.graph.node)
+
+
+def _with_tokenizer(ck: Path, tokenizer, edit_id: int | None = None) -> Path:
+    """Ship a copy of the target tokenizer inside the drafter checkpoint, token ``edit_id`` renamed."""
+    tokenizer.save_pretrained(ck)
+    if edit_id is not None:  # rename it in the vocabulary and in the added-token list
+        tj = json.loads((ck / "tokenizer.json").read_text())
+        old = tokenizer.convert_ids_to_tokens(edit_id)
+        for entry in tj["added_tokens"]:
+            if entry["id"] == edit_id:
+                entry["content"] = "<not_the_same>"
+        tj["model"]["vocab"].pop(old)
+        tj["model"]["vocab"]["<not_the_same>"] = edit_id
+        (ck / "tokenizer.json").write_text(json.dumps(tj))
+    return ck
+
+
+def test_case10_token_string_differs_export_refuses_naming_the_id(tmp_path, tiny_target_dir, tokenizer):
+    ck = _with_tokenizer(write_tiny_dflash(tmp_path / "c"), tokenizer, edit_id=5)
+    with pytest.raises(ExportError, match=r"differ at token id 5: drafter '<not_the_same>', target '<file_sep>'"):
+        run_export(ExportConfig(family="dflash", out=tmp_path / "e", checkpoint=ck, target=str(tiny_target_dir)))
+    assert not (tmp_path / "e").exists()
+
+
+def test_padding_rows_only_are_accepted(tmp_path, tokenizer):
+    from export.pipeline import check_vocabulary
+
+    ck = _with_tokenizer(write_tiny_dflash(tmp_path / "c"), tokenizer)
+    check_vocabulary(ck, 49152 + 128, 49152, tokenizer)  # same tokens, 128 padding rows: fine
+    with pytest.raises(ExportError, match="drafter vocab_size 32000 is smaller"):
+        check_vocabulary(ck, 32000, 49152, tokenizer)
