@@ -7,6 +7,12 @@ tokens speculatively and target-only (same run, same engines), checks they are i
 acceptance per draft position, and tokens/s of both.
 
   python scripts/eval_mal.py --engine engines/ --context 256 --json-out runs/eval_256.json
+
+With ``--temperature > 0`` every prompt is generated sampled (seeded per prompt) with the chosen ``--verification``
+scheme, and target-only decoding runs sampled too (same parameters) for the speed ratio; outputs then differ by
+design (the distribution, not the tokens, is preserved: tests/runtime/test_sampling.py).
+
+  python scripts/eval_mal.py --engine engines/ --temperature 0.8 --verification exact_match
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.engine import SpecEngine  # noqa: E402
+from runtime.sampling import VERIFICATION_SCHEMES, SamplingParams  # noqa: E402
 from scripts.corpus import chat_prompts, plays, stdlib_modules  # noqa: E402
 
 END_TOKEN = 3500
@@ -29,9 +36,17 @@ END_TOKEN = 3500
 @click.option("--context", default=256, help="prompt length in tokens for the document prompts")
 @click.option("--new-tokens", default=128)
 @click.option("--chat", default=4, help="number of held-out HumanEval chat prompts")
+@click.option("--temperature", default=0.0, type=click.FloatRange(min=0), help="0: greedy (lossless check)")
+@click.option("--top-p", default=1.0, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--verification", default=None, type=click.Choice(VERIFICATION_SCHEMES),
+              help="sampled verification scheme (default: the drafter's)")
+@click.option("--seed", default=0, help="base seed; prompt i uses seed + i")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def main(engine_dir: Path, context: int, new_tokens: int, chat: int, json_out: Path | None):
+def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature: float, top_p: float,
+         verification: str | None, seed: int, json_out: Path | None):
     engine = SpecEngine.from_dir(engine_dir)
+    if verification:
+        engine.verification = verification
     tok = engine.tokenizer
     docs = {**plays("heldout"), **stdlib_modules("heldout")}
     prompts = {}
@@ -44,10 +59,11 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, json_out: P
         prompts[f"chat{i}"] = ids
     engine.generate(prompts[next(iter(prompts))][:8], 4)  # warm-up
     rows = []
-    for name, ids in prompts.items():
-        spec = engine.generate(ids, new_tokens)
-        base = engine.generate_target_only(ids, new_tokens)
-        if spec.token_ids != base.token_ids:
+    for i, (name, ids) in enumerate(prompts.items()):
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
+        spec = engine.generate(ids, params=params)
+        base = engine.generate_target_only(ids, params=params)
+        if params.greedy and spec.token_ids != base.token_ids:
             raise SystemExit(f"{name}: speculative output differs from target-only greedy (lossless broken)")
         s = spec.stats
         rows.append({"prompt": name, "prompt_tokens": len(ids), "new_tokens": len(spec.token_ids),
@@ -57,6 +73,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, json_out: P
                    f"{s.tokens_per_s:6.1f} vs {base.stats.tokens_per_s:6.1f} tokens/s")
     doc_rows = [r for r in rows if not r["prompt"].startswith("chat")]
     summary = {"engine": str(engine_dir), "context": context, "new_tokens": new_tokens,
+               "temperature": temperature, "top_p": top_p, "verification": engine.verification,
                "query_scale": engine.manifest["query_scale"],
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),
