@@ -8,6 +8,8 @@ target   inputs  input_ids [batch, q_len] int64, position_ids [batch, q_len] int
                  concatenated in order, DFlash's convention), present_key.{i}/present_value.{i} [batch, kv_heads, past_len + q_len, head_dim]
 drafter  inputs  input_ids [batch, block] int64 (bonus token, then mask ids), target_hidden [batch, ctx_len, F] f32
                  (features of context positions not yet cached), position_ids [batch, ctx_len + block] int64,
+                 attention_mask [batch, past_len + ctx_len + block] int64 (1 = visible key; ragged rows are
+                 right-padded: N of row b = sum(attention_mask[b]), read by the beta subgraph),
                  past_key.{i}/past_value.{i} [batch, kv_heads, past_len, head_dim],
                  embed_weight [vocab, hidden], lm_head_weight [vocab, hidden] (the target's own tensors, fed at run
                  time so the drafter graph never duplicates them: see export/manifest.py)
@@ -67,12 +69,12 @@ class DrafterForExport(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, input_ids, target_hidden, position_ids, past: list[torch.Tensor], embed_weight,
-                lm_head_weight):
+    def forward(self, input_ids, target_hidden, position_ids, attention_mask, past: list[torch.Tensor],
+                embed_weight, lm_head_weight):
         emb = self.drafter.embed_block(input_ids, embed_weight)
         n = len(self.drafter.layers)
         past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(n)]
-        h, kv = self.drafter(emb, target_hidden, position_ids, past_kv)
+        h, kv = self.drafter(emb, target_hidden, position_ids, past_kv, key_mask=attention_mask)
         logits = torch.matmul(h[:, 1:], lm_head_weight.transpose(0, 1))
         return logits, [t for pair in kv for t in pair]
 
@@ -124,15 +126,18 @@ def export_drafter(drafter: DFlashDrafter, path: Path) -> dict:
     ids[:, 0] = 7
     th = torch.randn(b, c, f)
     pos = torch.arange(p, p + c + blk)[None].expand(b, -1).contiguous()
+    am = torch.ones(b, p + c + blk, dtype=torch.int64)
+    am[1, p - 2: p] = 0  # a padded row, so the mask is traced as data (never specialised away)
     past = [torch.randn(b, cfg.num_key_value_heads, p, cfg.head_dim) for _ in range(2 * n)]
     emb = torch.randn(cfg.vocab_size, cfg.hidden_size)
     batch, ctx = torch.export.Dim("batch", max=64), torch.export.Dim("ctx_len", max=cfg.max_position_embeddings)
     past_len = torch.export.Dim("past_len", min=1, max=cfg.max_position_embeddings)
     # The block size is part of the drafter (it was trained with it): static in the graph.
-    dyn = ({0: batch}, {0: batch, 1: ctx}, {0: batch, 1: ctx + blk},
+    dyn = ({0: batch}, {0: batch, 1: ctx}, {0: batch, 1: ctx + blk}, {0: batch, 1: torch.export.Dim.DYNAMIC},
            [{0: batch, 2: past_len} for _ in range(2 * n)], {}, {})
-    inputs = ["input_ids", "target_hidden", "position_ids", *kv_names(n, "past"), "embed_weight", "lm_head_weight"]
+    inputs = ["input_ids", "target_hidden", "position_ids", "attention_mask", *kv_names(n, "past"), "embed_weight",
+              "lm_head_weight"]
     outputs = ["logits", *kv_names(n, "present")]
     head = torch.randn(cfg.vocab_size, cfg.hidden_size)  # a distinct tensor: aliased inputs would be merged
-    _export(DrafterForExport(drafter).eval(), (ids, th, pos, past, emb, head), inputs, outputs, dyn, path)
+    _export(DrafterForExport(drafter).eval(), (ids, th, pos, am, past, emb, head), inputs, outputs, dyn, path)
     return {"inputs": inputs, "outputs": outputs}

@@ -195,7 +195,9 @@ def run_export(cfg: ExportConfig) -> dict:
         target_io = export_target(target, taps, tmp / "target" / "model.onnx")
         log.info("exporting drafter ...")
         drafter_io = export_drafter(drafter, scratch / "frozen.onnx")
-        counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile)
+        # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
+        counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
+                              num_keys_input="attention_mask")
         log.info("query-scale rewrite: %s", counts)
         shared = find_shared_weights(tmp / "target" / "model.onnx")
         embed = target.get_input_embeddings().weight.detach()
@@ -242,7 +244,8 @@ def _manifest(cfg, ckpt, drafter, target, tok, profile, profile_source, counts, 
                     "mask_token_id": drafter.config.mask_token_id,
                     "mask_embedding": drafter.config.uses_mask_embedding,
                     "num_keys": "s + block_size (all queries of a block)"},
-        "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts},
+        "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts,
+                        "num_keys": "per batch row: sum of the drafter's attention_mask"},
         "target": {"source": str(cfg.target or "smollm2-135m-instruct"), "architecture": t.architectures[0],
                    "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,
                    "num_key_value_heads": t.num_key_value_heads,

@@ -41,11 +41,15 @@ class _Collected:
     rejected: list[tuple[str, str, MatchFailure]] = dataclasses.field(default_factory=list)  # (rule, node, why)
 
 
-def insert_query_scale(model: ir.Model, profile: QueryScaleProfile) -> dict[str, int]:
+def insert_query_scale(model: ir.Model, profile: QueryScaleProfile, num_keys_input: str | None = None) -> dict[str, int]:
     """Multiply the query of every attention in ``model.graph`` by beta(N), computed in-graph from the key length.
 
     Each query Q (e.g. [batch, heads, q_len, head_dim], any float dtype) becomes ``Q * Cast(beta(N), Q.dtype)``;
     N is read at run time with ``Shape`` (never folded). See ``export/rules/`` for the attention forms matched.
+    With ``num_keys_input`` (the name of a graph input ``[batch, keys]`` holding a 0/1 key mask, e.g. a ragged
+    batch's right-padded ``attention_mask``), N is instead counted per batch row: ``ReduceSum(mask, -1)``, shaped
+    ``[batch, 1, ..., 1]`` to the query's rank, so padded rows get the beta of their own visible keys. All
+    attentions then share that one subgraph (every query of a DFlash block sees the same N).
     With ``profile.enabled == False`` nothing is inserted (frozen baseline); the profile is recorded either way in
     ``model.metadata_props["sharpdraft.query_scale"]`` (JSON of ``profile.to_dict()``). Modifies ``model`` in place.
 
@@ -56,7 +60,8 @@ def insert_query_scale(model: ir.Model, profile: QueryScaleProfile) -> dict[str,
 
     Raises:
         QueryScaleRewriteError: the profile is enabled and no attention was found (message lists the candidates
-            rejected and why); or the model is already scaled under a different (or unrecorded) profile.
+            rejected and why); or the model is already scaled under a different (or unrecorded) profile; or
+            ``num_keys_input`` is not a graph input, or a query's rank is unknown.
     """
     graph = model.graph
     graph.sort()  # _group relies on topological order (NOTE Acyclic-Source)
@@ -66,7 +71,10 @@ def insert_query_scale(model: ir.Model, profile: QueryScaleProfile) -> dict[str,
     if profile.enabled:
         if not found.todo and not found.already:
             raise QueryScaleRewriteError(_no_attention_message(graph, found.rejected))
-        _rewrite(graph, found.todo, profile, counts)
+        if num_keys_input is None:
+            _rewrite(graph, found.todo, profile, counts)
+        elif found.todo:
+            _rewrite_from_key_mask(graph, found.todo, profile, counts, num_keys_input)
         graph.sort()
     model.metadata_props[PROFILE_METADATA_KEY] = _profile_json(profile)
     for rule_name, node_name, why in found.rejected:
@@ -75,7 +83,7 @@ def insert_query_scale(model: ir.Model, profile: QueryScaleProfile) -> dict[str,
     return counts
 
 
-def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile) -> dict[str, int]:
+def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile, num_keys_input: str | None = None) -> dict[str, int]:
     """Load ``src`` (with its external data), :func:`insert_query_scale`, clean up, toposort, save and check.
 
     The result is ``dst`` with all initializers in ``dst.parent / (dst.name + ".data")``; ``onnx.checker`` runs on
@@ -90,7 +98,7 @@ def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile) -> dict[str, 
     """
     src, dst = Path(src), Path(dst)
     model = ir.load(src)
-    counts = insert_query_scale(model, profile)
+    counts = insert_query_scale(model, profile, num_keys_input)
     RemoveUnusedNodesPass()(model)
     TopologicalSortPass()(model)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +142,37 @@ def _rewrite(graph: ir.Graph, todo: list[AttentionMatch], profile: QueryScalePro
             counts[match.rule] += 1
         beta_builder.insert_before(source.anchor)  # graph.sort() afterwards puts everything in order
         counts["beta_subgraphs"] += 1
+
+
+def _rewrite_from_key_mask(graph: ir.Graph, todo: list[AttentionMatch], profile: QueryScaleProfile,
+                           counts: dict[str, int], mask_name: str) -> None:
+    """One beta subgraph from N[b] = sum(mask[b, :]) (int64), shaped per query rank; see :func:`insert_query_scale`."""
+    import numpy as np
+
+    mask = next((v for v in graph.inputs if v.name == mask_name), None)
+    if mask is None:
+        raise QueryScaleRewriteError(f"num_keys_input {mask_name!r} is not an input of graph {graph.name!r} "
+                                     f"(inputs: {[v.name for v in graph.inputs]})")
+    ranks = {len(m.query.shape) if m.query.shape is not None else None for m in todo}
+    if None in ranks:
+        raise QueryScaleRewriteError("a query's rank is unknown: cannot shape the per-row N from the key mask")
+    rules = {rule.name: rule for rule in RULES}
+    names = NameTable(graph)
+    first = next(iter(graph))
+    builder = SubgraphBuilder(graph, names, "beta_rows")
+    as_int = builder.op("Cast", mask, to=int(ir.DataType.INT64))
+    per_row = builder.op("ReduceSum", as_int, builder.const(np.array([-1], dtype=np.int64)), keepdims=0)  # [batch]
+    shared_by_rank = {}
+    for rank in sorted(ranks):
+        n = builder.op("Unsqueeze", per_row, builder.const(np.arange(1, rank, dtype=np.int64)))  # [batch, 1, ...]
+        shared_by_rank[rank] = SharedBeta(builder, beta_from_num_keys(builder, n, profile))
+    for match in todo:
+        site_builder = SubgraphBuilder(graph, names, "beta_rows/site")
+        rules[match.rule].rewrite(match, shared_by_rank[len(match.query.shape)], site_builder)
+        site_builder.insert_before(match.anchor)
+        counts[match.rule] += 1
+    builder.insert_before(first)
+    counts["beta_subgraphs"] += len(shared_by_rank)
 
 
 def _group(graph: ir.Graph, matches: list[AttentionMatch]) -> list[list[AttentionMatch]]:

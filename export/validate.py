@@ -65,14 +65,26 @@ def validate_target(model, tap_ids: list[int], path: Path, io: dict, seed: int =
 @torch.no_grad()
 def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: QueryScaleProfile,
                      embed: torch.Tensor, lm_head: torch.Tensor, seed: int = 0) -> dict:
-    """Run ORT and torch at N = 100, ref, 4 ref, 20 ref; returns per-N max abs logit diff and beta used."""
+    """Check the drafter graph against the torch drafter run with beta(N) from plugins/rule.py.
+
+    Points: one row at N = 100, ref, 4 ref, 20 ref; then a ragged batch of two rows (right-padded cache, masked)
+    with N = 4 ref and ref - 1 in the same call, each compared with its own solo torch run: the beta subgraph
+    must read N per row from ``attention_mask``.
+
+    Returns:
+        ``{"atol", "rtol", "points": [{num_keys, beta, max_abs_diff_logits, beta_effect_on_logits, bound}],
+        "ragged": [...same per row...]}``.
+    Raises:
+        ValidationError: a point exceeds ``DRAFTER_ATOL + DRAFTER_RTOL * max|logit|``.
+    """
     cfg = drafter.config
     g = torch.Generator().manual_seed(seed)
     sess = _session(path)
     blk, ctx = cfg.block_size, 3
     f = len(cfg.target_layer_ids) * cfg.hidden_size
-    results = []
-    for n_keys in sorted({100, profile.ref_keys, 4 * profile.ref_keys, 20 * profile.ref_keys}):
+    past_names = [n for n in io["inputs"] if n.startswith("past_")]
+
+    def case(n_keys: int):
         past_len = n_keys - ctx - blk  # N = s + B with s = past_len + ctx
         past = [torch.randn(1, cfg.num_key_value_heads, past_len, cfg.head_dim, generator=g)
                 for _ in range(2 * cfg.num_hidden_layers)]
@@ -81,22 +93,50 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         th = torch.randn(1, ctx, f, generator=g) * 3
         pos = torch.arange(past_len, past_len + ctx + blk)[None]
         b = beta_torch(n_keys, profile)
-        emb = drafter.embed_block(ids, embed)
         pkv = [(past[2 * i], past[2 * i + 1]) for i in range(cfg.num_hidden_layers)]
+        emb = drafter.embed_block(ids, embed)
         h, _ = drafter(emb, th, pos, pkv, query_scale=b)
-        ref = (h[:, 1:] @ lm_head.T).numpy()
         frozen_h, _ = drafter(emb, th, pos, pkv, query_scale=None)
-        feed = {"input_ids": ids.numpy(), "target_hidden": th.numpy(), "position_ids": pos.numpy(),
+        ref = (h[:, 1:] @ lm_head.T).numpy()
+        effect = float(np.abs(ref - (frozen_h[:, 1:] @ lm_head.T).numpy()).max())
+        return {"past": past, "ids": ids, "th": th, "pos": pos, "beta": float(b), "ref": ref, "effect": effect}
+
+    def run(cases: list[dict]) -> np.ndarray:
+        """One ORT call over the cases as a batch, caches right-padded to the longest and masked."""
+        lens = [c["past"][0].shape[2] for c in cases]
+        l_max = max(lens)
+        mask = np.zeros((len(cases), l_max + ctx + blk), np.int64)
+        feed = {"input_ids": np.concatenate([c["ids"].numpy() for c in cases]),
+                "target_hidden": np.concatenate([c["th"].numpy() for c in cases]),
+                "position_ids": np.concatenate([c["pos"].numpy() for c in cases]),
                 "embed_weight": embed.numpy(), "lm_head_weight": lm_head.numpy()}
-        feed.update({n: t.numpy() for n, t in zip([n for n in io["inputs"] if n.startswith("past_")], past)})
+        for r, n in enumerate(lens):
+            mask[r, :n] = 1
+            mask[r, l_max:] = 1
+        feed["attention_mask"] = mask
+        for j, name in enumerate(past_names):
+            buf = np.zeros((len(cases), cfg.num_key_value_heads, l_max, cfg.head_dim), np.float32)
+            for r, c in enumerate(cases):
+                buf[r, :, : lens[r]] = c["past"][j][0].numpy()
+            feed[name] = buf
         (logits,) = sess.run(["logits"], feed)
-        diff = float(np.abs(logits - ref).max())
-        beta_effect = float(np.abs(ref - (frozen_h[:, 1:] @ lm_head.T).numpy()).max())
-        results.append({"num_keys": n_keys, "beta": float(b), "max_abs_diff_logits": diff,
-                        "beta_effect_on_logits": beta_effect})
-        bound = DRAFTER_ATOL + DRAFTER_RTOL * float(np.abs(ref).max())
-        results[-1]["bound"] = bound
+        return logits
+
+    def check(c: dict, logits: np.ndarray, n_keys: int) -> dict:
+        diff = float(np.abs(logits - c["ref"][0]).max())
+        bound = DRAFTER_ATOL + DRAFTER_RTOL * float(np.abs(c["ref"]).max())
         if diff > bound:
             raise ValidationError(f"drafter graph {path} disagrees with the torch drafter at N={n_keys} "
-                                  f"(beta {float(b):.6f}): max abs logit diff {diff:.3g} > {bound:.3g}")
-    return {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": results}
+                                  f"(beta {c['beta']:.6f}): max abs logit diff {diff:.3g} > {bound:.3g}")
+        return {"num_keys": n_keys, "beta": c["beta"], "max_abs_diff_logits": diff,
+                "beta_effect_on_logits": c["effect"], "bound": bound}
+
+    points = []
+    for n_keys in sorted({100, profile.ref_keys, 4 * profile.ref_keys, 20 * profile.ref_keys}):
+        c = case(n_keys)
+        points.append(check(c, run([c])[0], n_keys))
+    pair = [4 * profile.ref_keys, max(profile.ref_keys - 1, ctx + blk + 1)]  # a wrong N would give row 2 beta(4 ref)
+    cases = [case(n) for n in pair]
+    logits = run(cases)
+    ragged = [check(c, logits[r], n) for r, (c, n) in enumerate(zip(cases, pair))]
+    return {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points, "ragged": ragged}

@@ -151,7 +151,9 @@ class OrtTarget(_Graph):
 class OrtDFlashDrafter(_Graph):
     """DFlash drafter graph + per-sequence context caches (verified context only: block K/V are never returned).
 
-    Rows are drafted one graph call each (the exported drafter has no key-padding mask yet).
+    A ragged batch is drafted in one graph call: caches and new context rows are right-padded and masked out with
+    the graph's ``attention_mask`` (from which the in-graph beta counts each row's N). Engines exported before the
+    mask input existed are drafted one row per call.
     """
 
     family = "dflash"
@@ -159,12 +161,14 @@ class OrtDFlashDrafter(_Graph):
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
         d = manifest["drafter"]["config"]
-        super().__init__(engine_dir, manifest["graphs"]["drafter"],
-                         (d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]), device, threads)
+        graph = manifest["graphs"]["drafter"]
+        super().__init__(engine_dir, graph, (d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]),
+                         device, threads)
         self.block_size = d["block_size"]
         self.num_draft_tokens = self.block_size - 1
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
+        self.batched = "attention_mask" in graph["inputs"]
         target_graph = engine_dir / manifest["graphs"]["target"]["file"]
         self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()}
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
@@ -179,24 +183,42 @@ class OrtDFlashDrafter(_Graph):
         Args:
             caches: per row, the drafter cache of positions 0 .. kv_len - 1.
             bonus_tokens: per row the last token the target produced (block slot 0, at position s).
-            contexts: per row ``[ctx_len, F]`` f32 taps of the verified positions kv_len .. s - 1 (ctx_len >= 1);
+            contexts: per row ``[ctx_len, F]`` f32 taps of the verified positions kv_len .. s - 1 (ctx_len >= 0);
                 they are appended to the row's cache.
         Returns:
             logits ``[batch, B - 1, vocab]`` f32 for block slots 1..B-1.
         """
-        out = []
-        for cache, bonus, ctx in zip(caches, bonus_tokens, contexts):
+        if not self.batched:
+            return np.concatenate([self._draft_rows([c], [b], [x]) for c, b, x in zip(caches, bonus_tokens,
+                                                                                      contexts)])
+        return self._draft_rows(caches, bonus_tokens, contexts)
+
+    def _draft_rows(self, caches, bonus_tokens, contexts) -> np.ndarray:
+        b, blk = len(caches), self.block_size
+        ctx_lens = [x.shape[0] for x in contexts]
+        c_max = max(ctx_lens)
+        past, l_max = _pad_caches(caches)
+        ids = np.full((b, blk), self.mask_token_id, np.int64)
+        ids[:, 0] = bonus_tokens
+        hidden = np.zeros((b, c_max, contexts[0].shape[1]), np.float32)
+        pos = np.zeros((b, c_max + blk), np.int64)
+        mask = np.zeros((b, l_max + c_max + blk), np.int64)
+        for r, (cache, ctx) in enumerate(zip(caches, contexts)):
             start, n = cache.length, ctx.shape[0]
-            block = np.full((1, self.block_size), self.mask_token_id, np.int64)
-            block[0, 0] = bonus
-            feed = {"input_ids": block, "target_hidden": ctx[None].astype(np.float32),
-                    "position_ids": np.arange(start, start + n + self.block_size, dtype=np.int64)[None]}
-            feed.update(zip(self.kv_names, cache.kv))
-            feed.update(self.shared)
-            logits, *present = self.session.run(self.out_names, feed)
-            cache.kv = present
-            out.append(logits[0])
-        return np.stack(out)
+            hidden[r, :n] = ctx
+            pos[r, :c_max] = np.arange(start, start + c_max)  # padded context rows: masked, positions unused
+            pos[r, c_max:] = np.arange(start + n, start + n + blk)
+            mask[r, :start] = 1
+            mask[r, l_max: l_max + n] = 1
+            mask[r, l_max + c_max:] = 1
+        feed = {"input_ids": ids, "target_hidden": hidden, "position_ids": pos}
+        if self.batched:
+            feed["attention_mask"] = mask
+        feed.update(zip(self.kv_names, past))
+        feed.update(self.shared)
+        logits, *present = self.session.run(self.out_names, feed)
+        _unpad_present(present, caches, l_max, ctx_lens)
+        return logits
 
 
 def _shared_tensor(target_graph: Path, spec: dict) -> np.ndarray:

@@ -179,7 +179,8 @@ class DFlashAttention(nn.Module):
             x: normalised block states ``[batch, B, hidden]``.
             ctx_k, ctx_v: context K/V ``[batch, kv_heads, s, head_dim]`` (cached + new context rows).
             cos, sin: RoPE tables of the block positions ``[batch, 1, B, head_dim]``.
-            attn_mask: optional additive/bool mask ``[batch or 1, 1, B, s + B]`` (training only); None = all visible.
+            attn_mask: optional additive/bool mask broadcastable to ``[batch, 1, B, s + B]`` (training; ragged
+                batches); None = all visible.
             query_scale: beta, a float or a tensor broadcastable to ``[batch, 1, B, 1]``; None = 1.
         Returns:
             ``[batch, B, hidden]``.
@@ -256,7 +257,7 @@ class DFlashDrafter(nn.Module):
         """Tapped target features ``[batch, c, len(ids) * hidden]`` -> context states ``[batch, c, hidden]``."""
         return self.hidden_norm(self.fc(target_hidden))
 
-    def forward(self, block_embeds, target_hidden, position_ids, past_kv=None, query_scale=None):
+    def forward(self, block_embeds, target_hidden, position_ids, past_kv=None, query_scale=None, key_mask=None):
         """One draft step (inference form, cached context K/V).
 
         Args:
@@ -265,7 +266,9 @@ class DFlashDrafter(nn.Module):
                 in ``past_kv`` (c_new may be 0).
             position_ids: ``[batch, c_new + B]`` int64 absolute positions of those context rows, then the block.
             past_kv: list over layers of (k, v) ``[batch, kv_heads, c_past, head_dim]`` or None.
-            query_scale: beta (see :meth:`DFlashAttention.forward`); None = frozen drafter.
+            query_scale: beta (see :meth:`DFlashAttention.forward`), e.g. ``[batch, 1, 1, 1]`` per row; None = 1.
+            key_mask: ``[batch, c_past + c_new + B]`` bool/int, 1 = visible key (ragged batches: right-padded
+                cache and context rows are 0); None = every key visible. N of row b = ``key_mask[b].sum()``.
         Returns:
             (hidden ``[batch, B, hidden]`` after ``norm``, new_kv: per layer (k, v) over c_past + c_new context rows;
             block K/V are never cached, so the cache never holds unverified keys).
@@ -273,6 +276,7 @@ class DFlashDrafter(nn.Module):
         c_new = target_hidden.shape[1]
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
         ctx = self.project_context(target_hidden)
+        attn_mask = None if key_mask is None else key_mask.to(torch.bool)[:, None, None, :]  # [batch, 1, 1, keys]
         h, new_kv = block_embeds, []
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.self_attn.context_kv(ctx, cos[:, :, :c_new], sin[:, :, :c_new])
@@ -280,7 +284,7 @@ class DFlashDrafter(nn.Module):
                 k_new = torch.cat([past_kv[i][0], k_new], dim=2)
                 v_new = torch.cat([past_kv[i][1], v_new], dim=2)
             new_kv.append((k_new, v_new))
-            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], None, query_scale)
+            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale)
         return self.norm(h), new_kv
 
 

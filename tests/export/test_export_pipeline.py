@@ -25,6 +25,10 @@ def test_manifest_records_profile_io_and_validation(tiny_engines):
     assert qs["rewrite"]["DecomposedAttentionQueryScale"] == 2 and qs["rewrite"]["beta_subgraphs"] == 1
     assert m["drafter"]["block_size"] == 4 and m["drafter"]["mask_embedding"] is True
     assert m["graphs"]["drafter"]["inputs"][-2:] == ["embed_weight", "lm_head_weight"]
+    assert "attention_mask" in m["graphs"]["drafter"]["inputs"] and "attention_mask" in qs["num_keys"]
+    ragged = m["validation"]["drafter"]["ragged"]  # one call, rows at N = 4 ref and ref - 1, each vs its solo run
+    assert [p["num_keys"] for p in ragged] == [256, 63] and ragged[1]["beta"] == 1.0
+    assert all(p["max_abs_diff_logits"] <= p["bound"] for p in ragged)
     assert set(m["shared_weights"]) == {"embed_weight", "lm_head_weight"}
     assert m["validation"]["target"]["max_abs_diff_logits"] < 1e-3
 
@@ -58,17 +62,28 @@ def test_graph_beta_intermediate(tiny_engines, tmp_path):
     m = load_manifest(tiny_engines)
     d = m["drafter"]["config"]
     blk, ctx, prof = d["block_size"], 2, QueryScaleProfile(ref_keys=64)
-    for n in (100, 64, 4 * 64, 20 * 64):
-        past = n - ctx - blk
-        feed = {"input_ids": np.full((1, blk), d["dflash_config"]["mask_token_id"], np.int64),
-                "target_hidden": np.zeros((1, ctx, 128), np.float32),
-                "position_ids": np.arange(past, past + ctx + blk, dtype=np.int64)[None],
+    def beta_rows(ns: list[int]) -> np.ndarray:
+        """One call, one row per N: caches right-padded to the longest, padding masked out."""
+        b, l_max = len(ns), max(ns) - ctx - blk
+        mask = np.zeros((b, l_max + ctx + blk), np.int64)
+        for r, n in enumerate(ns):
+            mask[r, : n - ctx - blk] = 1
+            mask[r, l_max:] = 1
+        feed = {"input_ids": np.full((b, blk), d["dflash_config"]["mask_token_id"], np.int64),
+                "target_hidden": np.zeros((b, ctx, 128), np.float32), "attention_mask": mask,
+                "position_ids": np.tile(np.arange(l_max, l_max + ctx + blk, dtype=np.int64), (b, 1)),
                 "embed_weight": np.zeros((d["vocab_size"], 64), np.float32),
                 "lm_head_weight": np.zeros((d["vocab_size"], 64), np.float32)}
         for i in range(d["num_hidden_layers"]):
-            feed[f"past_key.{i}"] = feed[f"past_value.{i}"] = np.zeros((1, 2, past, 16), np.float32)
-        beta = sess.run([beta_name], feed)[0]
-        assert float(np.asarray(beta).reshape(-1)[0]) == pytest.approx(prof.beta(n), abs=1e-6)
+            feed[f"past_key.{i}"] = feed[f"past_value.{i}"] = np.zeros((b, 2, l_max, 16), np.float32)
+        return np.asarray(sess.run([beta_name], feed)[0]).reshape(b)
+
+    for n in (100, 64, 4 * 64, 20 * 64):
+        assert beta_rows([n])[0] == pytest.approx(prof.beta(n), abs=1e-6)
+    ns = [64 - 2, 64 - 1, 64, 64 + 1, 64 + 2, 20 * 64]  # rows of one ragged batch straddle ref_keys
+    got = beta_rows(ns)
+    np.testing.assert_allclose(got, [prof.beta(n) for n in ns], atol=1e-6)
+    assert got[:3].tolist() == [1.0, 1.0, 1.0] and all(x > 1.0 for x in got[3:])
 
 
 def test_profile_precedence(tiny_target_dir, tmp_path):

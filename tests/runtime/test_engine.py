@@ -219,3 +219,26 @@ def test_generate_cli_on_bad_engine_dir(tmp_path):
 
     r = CliRunner().invoke(main, ["--engine", str(tmp_path), "--max-new-tokens", "8"])
     assert r.exit_code == 1 and "not an engines folder" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_ragged_draft_call_equals_solo_calls(engine):
+    """One drafter call over rows of different cache and context lengths equals each row drafted alone (the
+    in-graph beta reads each row's N from the mask), and every row's cache ends exactly at its own length."""
+    assert engine.drafter.batched
+    rows = []
+    for i, prompt in enumerate(PROMPTS[:3]):
+        ids = engine.tokenizer.encode(prompt)
+        tc, dc = engine.target.new_cache(), engine.drafter.new_cache()
+        _, feats = engine.target.forward([tc], [ids])
+        split = 1 + i * 2  # different cached / pending splits per row
+        engine.drafter.draft([dc], [ids[split - 1]], [feats[0, :split]])
+        rows.append((dc, ids[-1], feats[0, split:]))
+    solo = []
+    for dc, bonus, ctx in rows:
+        copy = engine.drafter.new_cache()
+        copy.kv = list(dc.kv)
+        solo.append(engine.drafter.draft([copy], [bonus], [ctx])[0])
+    lengths = [dc.length + ctx.shape[0] for dc, _, ctx in rows]
+    batched = engine.drafter.draft([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    np.testing.assert_allclose(batched, np.stack(solo), atol=1e-4, rtol=1e-4)
+    assert [dc.length for dc, _, _ in rows] == lengths
