@@ -34,7 +34,6 @@ class StopChecker:
     tokenizer: Any = None
     stop_ids: frozenset[int] = dataclasses.field(init=False)
     text_end: int | None = dataclasses.field(init=False, default=None)  # cut position of a matched stop string
-    _searched: int = dataclasses.field(init=False, default=0)  # text length already searched
 
     def __post_init__(self) -> None:
         ids = set(self.params.stop_token_ids)
@@ -58,17 +57,18 @@ class StopChecker:
             EOS {2}, max 10 -> out [5, 7, 2], "stop"; max 2 -> out [5, 7], "length".
         """
         longest = max((len(s) for s in self.params.stop), default=0)
+        # a token decodes to >= 1 byte and a character is <= 4 bytes: this many tail tokens cover any stop string
+        window = 4 * longest + 8
         for tok in new:
             out.append(tok)
             if tok in self.stop_ids:
                 return "stop"
             if self.params.stop:
-                text = self.decode(out)
-                start = max(0, self._searched - longest - 4)  # margin: a completed multi-byte char rewrites the tail
-                hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
-                self._searched = len(text)
-                if hits:
-                    self.text_end = min(hits)
+                tail = self.decode(out[-window:])
+                if any(s in tail for s in self.params.stop):
+                    # earlier text was stop-free when it was checked: the first occurrence is this one
+                    text = self.decode(out)
+                    self.text_end = min(i for i in (text.find(s) for s in self.params.stop) if i >= 0)
                     return "stop"
             if len(out) >= self.params.max_new_tokens:
                 return "length"
