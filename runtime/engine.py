@@ -301,8 +301,13 @@ class SpecEngine:
             for s in seqs:
                 self.abort(s.request_id)
             raise
-        while self.sequences:
-            self.step()
+        try:
+            while self.sequences:
+                self.step()
+        except BaseException:  # an engine error or an interrupt: leave the engine idle for the next request
+            for s in seqs:
+                self.abort(s.request_id)
+            raise
         return [s.result() for s in seqs]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, *,

@@ -157,3 +157,22 @@ def test_bad_requests_are_clear_and_lose_nothing(prompt, params, match):
     with pytest.raises(ValueError, match=match):
         eng.generate(prompt, params=params)
     assert not eng.sequences and eng.generate([1], 4).token_ids == target.greedy(1, 4)
+
+
+def test_engine_error_mid_generation_leaves_engine_usable():
+    target = ScriptedTarget(chain_table(16, {}))
+    drafter = oracle(target, 4)
+    eng = engine_for(target, drafter)
+    calls = {"n": 0}
+    real = drafter.propose
+
+    def flaky(ctx, bonus):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("drafter crashed")
+        return real(ctx, bonus)
+
+    drafter.propose = flaky
+    with pytest.raises(RuntimeError, match="drafter crashed"):
+        eng.generate([1], 30)
+    assert not eng.sequences and eng.generate([1], 12).token_ids == target.greedy(1, 12)
