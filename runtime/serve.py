@@ -34,6 +34,7 @@ class CompletionRequest(BaseModel):
     top_k: int = Field(0, ge=-1)
     seed: int | None = Field(None, ge=0)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None  # vLLM extension
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     logprobs: int | None = None
@@ -90,7 +91,8 @@ def create_app(engine, model_name: str = "sharpdraft") -> FastAPI:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
             params = SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+                                    top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                                    stop_token_ids=tuple(req.stop_token_ids or ()))
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
         async with lock:
