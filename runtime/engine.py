@@ -138,16 +138,19 @@ class SpecEngine:
         return self.target.max_positions
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """Queue a request; its prefill runs at the next :meth:`step`.
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validate a request without touching engine state (safe from any thread).
 
         Raises:
             ValueError: empty prompt, ids outside the target vocabulary, prompt + max_new_tokens over the target's
-                positions, stop strings without a tokenizer, num_draft_tokens above the drafter's, duplicate id.
+                positions, stop ids outside the vocabulary, num_draft_tokens above the drafter's.
         """
-        prompt_ids = [int(t) for t in prompt_ids]
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt_ids):
+            raise ValueError("prompt token ids must be integers")
         vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_ids)}..{max(prompt_ids)}")
@@ -159,6 +162,18 @@ class SpecEngine:
         k_max = self.drafter.num_draft_tokens if self.drafter is not None else 0
         if params.num_draft_tokens is not None and params.num_draft_tokens > k_max:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds the drafter's {k_max}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass stop_token_ids instead")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Queue a request; its prefill runs at the next :meth:`step`.
+
+        Raises:
+            ValueError: see :meth:`check_request`; or a duplicate request id.
+        """
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_request(prompt_ids, params)
+        k_max = self.drafter.num_draft_tokens if self.drafter is not None else 0
         k = 0 if not params.speculative or self.drafter is None else (
             k_max if params.num_draft_tokens is None else params.num_draft_tokens)
         request_id = request_id or f"req-{next(self._ids)}"

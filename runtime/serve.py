@@ -1,45 +1,67 @@
 """OpenAI-compatible HTTP server over an engines/ folder (FastAPI + uvicorn; 127.0.0.1 by default).
 
-    python -m runtime.serve --engine engines/ [--host 127.0.0.1] [--port 8000]
+    python -m runtime.serve --engine engines/ [--host 127.0.0.1] [--port 8000] [--max-running 8] [--max-waiting 64]
 
-Endpoints: POST /v1/completions (non-streaming; greedy or sampled: temperature, top_p, top_k, seed, stop),
-GET /v1/models, GET /health. Requests run one at a time on the engine (a lock); concurrency, streaming and chat
-arrive with the serving issue.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), both with
+``stream: true`` as server-sent events; GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+Simultaneous requests share engine steps (continuous batching, runtime/async_engine.py); when every running slot
+and waiting place is taken the server answers 429 with Retry-After. A client that disconnects is aborted at once.
+
+Request fields: model, prompt / messages, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k,
+seed, stop, stop_token_ids, ignore_eos, n (1 only), stream, stream_options.include_usage, echo (completions), and
+the sharpdraft extension ``speculative`` (false: target-only decoding for this request, for A/B comparisons) and
+``num_draft_tokens``. Fields the server cannot honour (n > 1, logprobs, non-zero penalties, logit_bias, best_of > 1)
+are refused with 400 and say so; unknown fields are ignored like OpenAI does.
 """
 from __future__ import annotations
 
-import asyncio
+import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from runtime.async_engine import AsyncEngine, QueueFull, RequestStream
 from runtime.sampling import SamplingParams
+from runtime.server_metrics import ServerMetrics
+from runtime.stops import TextDeltas
+
+DISCONNECT_POLL_S = 0.25
 
 
-class CompletionRequest(BaseModel):
+class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     seed: int | None = Field(None, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    logprobs: int | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: int | bool | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    speculative: bool = True  # sharpdraft extension: false = target-only decoding for this request
+    num_draft_tokens: int | None = Field(None, ge=0)  # sharpdraft extension
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -53,66 +75,225 @@ class CompletionRequest(BaseModel):
         return v
 
 
-def create_app(engine, model_name: str = "sharpdraft") -> FastAPI:
-    """Build the FastAPI app around a :class:`runtime.engine.SpecEngine` (or anything with its interface)."""
-    app = FastAPI(title="sharpdraft", version="0.1.0")
-    lock = asyncio.Lock()
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", default_max_tokens: int = 16) -> FastAPI:
+    """Build the app around a started-or-not :class:`AsyncEngine` (the app starts and stops its worker).
+
+    Raises nothing itself; request errors become OpenAI-style error objects (400 / 404 / 429 / 500).
+    """
+    from contextlib import asynccontextmanager
+
+    engine = async_engine.engine
+    metrics = ServerMetrics(async_engine)
+    async_engine.on_step = metrics.on_step
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        if not async_engine._thread.is_alive():
+            async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="sharpdraft", version="0.2.0", lifespan=lifespan)
+    app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers malformed requests with 400 and an error object, not FastAPI's 422.
         msg = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, status_code=400)
+        metrics.request_done("invalid", 400)
+        return _error(400, msg)
 
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException) -> JSONResponse:
-        return JSONResponse({"error": {"message": exc.detail, "type": "invalid_request_error"}},
-                            status_code=exc.status_code)
+        return _error(exc.status_code, exc.detail, getattr(exc, "headers", None))
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", **async_engine.stats()}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "sharpdraft"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "sharpdraft"}]}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> JSONResponse:
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    def params_of(req: _Common, max_tokens: int | None) -> SamplingParams:
         if req.model not in (None, model_name):
             raise HTTPException(404, f"model {req.model!r} does not exist; this server serves {model_name!r}")
-        unsupported = [name for name, bad in (("stream=true", req.stream),
-                                              ("logprobs", req.logprobs is not None), ("n > 1", req.n > 1)) if bad]
+        unsupported = [name for name, bad in (
+            ("n > 1", req.n > 1), ("logprobs", req.logprobs not in (None, False)),
+            ("frequency_penalty", req.frequency_penalty != 0), ("presence_penalty", req.presence_penalty != 0),
+            ("logit_bias", bool(req.logit_bias)), ("best_of > 1", (getattr(req, "best_of", None) or 1) > 1)) if bad]
         if unsupported:
-            raise HTTPException(400, f"{', '.join(unsupported)}: not supported yet; remove it from the request")
-        ids = engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        if not ids:
-            raise HTTPException(400, "prompt encodes to zero tokens; give a non-empty prompt")
+            raise HTTPException(400, f"{', '.join(unsupported)}: not supported by this server; remove it")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
-            params = SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
-                                    stop_token_ids=tuple(req.stop_token_ids or ()))
+            return SamplingParams(max_new_tokens=max_tokens or default_max_tokens, temperature=req.temperature,
+                                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
+                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                                  speculative=req.speculative, num_draft_tokens=req.num_draft_tokens)
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
-        async with lock:
+
+    def submit(ids: list[int], params: SamplingParams) -> RequestStream:
+        try:
+            return async_engine.submit(ids, params)
+        except QueueFull as e:
+            metrics.request_done("rejected", 429)
+            raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
+
+    async def collect(request: Request, stream: RequestStream):
+        """Wait for the result; abort the request if the client goes away first."""
+        while True:
+            event = await stream.next_event(DISCONNECT_POLL_S)
+            if event is None:
+                if await request.is_disconnected():
+                    stream.abort()
+                    metrics.request_done("aborted", 499)
+                    return None
+                continue
+            if event.error is not None:
+                raise HTTPException(500, event.error)
+            if event.result is not None:
+                return event.result
+
+    def usage(prompt_len: int, n: int) -> dict:
+        return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+
+    def sse(obj: dict | str) -> str:
+        return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+    async def run(request: Request, req: _Common, ids: list[int], params: SamplingParams, endpoint: str,
+                  make_body, make_chunk, prefix: str = ""):
+        if not ids:
+            raise HTTPException(400, "prompt encodes to zero tokens; give a non-empty prompt")
+        stream = submit(ids, params)
+        rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if not req.stream:
+            result = await collect(request, stream)
+            if result is None:
+                return Response(status_code=499)
+            metrics.request_finished(endpoint, stream, result, len(ids))
+            return JSONResponse(make_body(rid, created, prefix + (result.text or ""), result,
+                                          usage(len(ids), len(result.token_ids))))
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        async def events():
+            deltas = TextDeltas(engine.tokenizer, params.stop)
+            generated: list[int] = []
+            finished = False
             try:
-                result = await asyncio.to_thread(engine.generate, ids, params=params)
-            except ValueError as e:
-                raise HTTPException(400, str(e)) from e
-        out = result.token_ids
-        text = result.text
-        if req.echo:
-            text = engine.tokenizer.decode(ids) + text
-        body: dict[str, Any] = {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": req.model or model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
-                      "total_tokens": len(ids) + len(out)},
-            "sharpdraft": result.stats.to_dict(),
-        }
-        return JSONResponse(body)
+                first = make_chunk(rid, created, prefix, None, first=True)
+                if first is not None:
+                    yield sse(first)
+                async for event in stream:
+                    if event.error is not None:
+                        yield sse({"error": {"message": event.error, "type": "server_error", "code": 500}})
+                        metrics.request_done(endpoint, 500)
+                        finished = True
+                        return
+                    generated.extend(event.token_ids)
+                    final = event.result.text or "" if event.result is not None else None
+                    text = deltas.delta(generated, final)
+                    if text:
+                        yield sse(make_chunk(rid, created, text, None))
+                    if event.result is not None:
+                        yield sse(make_chunk(rid, created, "", event.result.finish_reason))
+                        if include_usage:
+                            yield sse({"id": rid, "object": "chat.completion.chunk" if endpoint == "chat"
+                                       else "text_completion", "created": created, "model": req.model or model_name,
+                                       "choices": [], "usage": usage(len(ids), len(event.result.token_ids))})
+                        metrics.request_finished(endpoint, stream, event.result, len(ids))
+                        finished = True
+                yield sse("[DONE]")
+            finally:
+                if not finished:  # client went away (generator closed) or the loop was cancelled
+                    stream.abort()
+                    metrics.request_done(endpoint, 499)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        params = params_of(req, req.max_tokens)
+        ids = engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        prefix = (req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)) if req.echo else ""
+
+        def body(rid, created, text, result, use):
+            return {"id": rid, "object": "text_completion", "created": created, "model": req.model or model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": result.finish_reason}],
+                    "usage": use, "sharpdraft": result.stats.to_dict()}
+
+        def chunk(rid, created, text, finish_reason, first=False):
+            if first and not text:
+                return None
+            return {"id": rid, "object": "text_completion", "created": created, "model": req.model or model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+        return await run(request, req, ids, params, "completions", body, chunk, prefix)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        params = params_of(req, req.max_completion_tokens or req.max_tokens)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
+        if engine.tokenizer.chat_template is None:
+            raise HTTPException(400, "this model's tokenizer has no chat template; use /v1/completions")
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+
+        def body(rid, created, text, result, use):
+            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model or model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": result.finish_reason}],
+                    "usage": use, "sharpdraft": result.stats.to_dict()}
+
+        def chunk(rid, created, text, finish_reason, first=False):
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": req.model or model_name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+        return await run(request, req, list(ids), params, "chat", body, chunk)
 
     return app
 
@@ -122,7 +303,13 @@ def create_app(engine, model_name: str = "sharpdraft") -> FastAPI:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
-def main(engine_dir: Path, host: str, port: int, device: str) -> None:
+@click.option("--max-running", default=8, show_default=True, type=click.IntRange(min=1),
+              help="requests batched into each engine step")
+@click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0),
+              help="queued requests beyond the running ones before 429")
+@click.option("--model-name", default=None, help="id served at /v1/models (default: the engines folder's name)")
+def main(engine_dir: Path, host: str, port: int, device: str, max_running: int, max_waiting: int,
+         model_name: str | None) -> None:
     import uvicorn
 
     from runtime.engine import SpecEngine
@@ -132,7 +319,9 @@ def main(engine_dir: Path, host: str, port: int, device: str) -> None:
         engine = SpecEngine.from_dir(engine_dir, device=device)
     except (EngineDirError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
-    uvicorn.run(create_app(engine, model_name=engine_dir.resolve().name), host=host, port=port, log_level="info")
+    _ = engine.tokenizer  # load before serving
+    app = create_app(AsyncEngine(engine, max_running, max_waiting), model_name or engine_dir.resolve().name)
+    uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,34 @@ class StopChecker:
         """The returned text of ``out``: special tokens skipped, cut before a matched stop string."""
         text = self.decode(out)
         return text if self.text_end is None else text[: self.text_end]
+
+
+class TextDeltas:
+    """Streaming text of one request: :meth:`delta` returns the new text since the last call.
+
+    Concatenated deltas equal :meth:`StopChecker.text` of the finished output: a trailing incomplete multi-byte
+    character (decoded as U+FFFD) is held back until the token that completes it arrives, and while stop strings are
+    set the last ``len(longest stop) - 1`` characters are held back, since they may turn out to start a stop string.
+
+    Args:
+        tokenizer: the HF tokenizer (same decoding as :class:`StopChecker`).
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent = ""
+
+    def delta(self, token_ids: list[int], final_text: str | None = None) -> str:
+        """New text after ``token_ids`` (all generated ids so far); pass ``final_text`` on the last call."""
+        if final_text is not None:
+            full = final_text
+        else:
+            full = self.tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
+            if self.hold:
+                full = full[: max(0, len(full) - self.hold)]
+        if len(full) <= len(self.sent) or not full.startswith(self.sent):
+            return ""
+        out, self.sent = full[len(self.sent):], full
+        return out

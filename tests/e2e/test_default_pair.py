@@ -104,7 +104,8 @@ def test_serve_answers_completions(real_engines, engine):
         else:
             pytest.fail("server did not come up: " + proc.stdout.read1(20000).decode())
         prompt = "The capital of France is"
-        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16}, timeout=120)
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0},
+                       timeout=120)
         assert r.status_code == 200, r.text
         body = r.json()
         ref = engine.generate_target_only(engine.tokenizer.encode(prompt), 16)

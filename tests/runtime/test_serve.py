@@ -1,20 +1,48 @@
-"""POST /v1/completions on the tiny engines (FastAPI TestClient): OpenAI shape, exact usage, 400s that say why."""
+"""The OpenAI-compatible server on the tiny engines: shapes, exact usage, streaming fidelity, continuous batching,
+the queue limit, client disconnects, validation (400s that say why) and /metrics."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from runtime.async_engine import AsyncEngine, QueueFull
 from runtime.engine import SpecEngine
+from runtime.sampling import SamplingParams
 from runtime.serve import create_app
+
+GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def client_engine(tiny_engines):
-    engine = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
-    return TestClient(create_app(engine, "tiny")), engine
+def engine(tiny_engines):
+    return SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
 
 
-def test_completion_matches_target_only(client_engine):
-    client, engine = client_engine
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 12})
+@pytest.fixture(scope="module")
+def client(tiny_engines):
+    """A server with its own engine (one worker per engine; ``engine`` is for references and the other apps)."""
+    own = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
+    app = create_app(AsyncEngine(own, max_running=4, max_waiting=8), "tiny")
+    with TestClient(app) as c:
+        yield c
+
+
+def _sse(lines):
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            out.append(line[6:])
+    assert out[-1] == "[DONE]"
+    return [json.loads(x) for x in out[:-1]]
+
+
+def test_completion_matches_target_only(client, engine):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 12, **GREEDY})
     assert r.status_code == 200, r.text
     body = r.json()
     ids = engine.tokenizer.encode("def add(a, b):")
@@ -28,18 +56,61 @@ def test_completion_matches_target_only(client_engine):
     assert body["sharpdraft"]["rounds"] >= 1
 
 
-def test_unknown_model_is_404(client_engine):
-    client, _ = client_engine
+def test_chat_completion_uses_chat_template(client, engine):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 10, **GREEDY})
+    assert r.status_code == 200, r.text
+    ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ref = engine.generate_target_only(ids, 10)
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["message"]["content"] == engine.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == len(ref.token_ids)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("extra", [GREEDY, {"temperature": 0.9, "seed": 5}, {**GREEDY, "stop": [" the", "\n"]}])
+def test_streaming_deltas_equal_non_streaming(client, endpoint, extra):
+    if endpoint == "chat":
+        url, payload = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}]}
+    else:
+        url, payload = "/v1/completions", {"prompt": "Once upon a time, in a land far away,"}
+    payload = {**payload, "max_tokens": 40, **extra}
+    whole = client.post(url, json=payload).json()
+    with client.stream("POST", url, json={**payload, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = _sse(r.iter_lines())
+    usage = chunks[-1]["usage"]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    if endpoint == "chat":
+        text = "".join(c["delta"].get("content", "") for c in choices)
+        expect = whole["choices"][0]["message"]["content"]
+        assert choices[0]["delta"]["role"] == "assistant"
+    else:
+        text = "".join(c["text"] for c in choices)
+        expect = whole["choices"][0]["text"]
+    assert text == expect
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == [whole["choices"][0]["finish_reason"]]
+    assert usage == whole["usage"]
+
+
+def test_speculation_off_per_request_gives_same_greedy_text(client):
+    body = {"prompt": "import numpy as np\n", "max_tokens": 20, **GREEDY}
+    a = client.post("/v1/completions", json=body).json()
+    b = client.post("/v1/completions", json={**body, "speculative": False}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and b["sharpdraft"]["rounds"] == 0
+
+
+def test_unknown_model_is_404(client):
     r = client.post("/v1/completions", json={"prompt": "hi", "model": "gpt-4"})
     assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
 
 
-def test_token_id_prompt_and_models(client_engine):
-    client, _ = client_engine
+def test_token_id_prompt_and_models(client):
     r = client.post("/v1/completions", json={"prompt": [0], "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("payload, needle", [
@@ -47,41 +118,209 @@ def test_token_id_prompt_and_models(client_engine):
     ({"prompt": [], "max_tokens": 3}, "empty"),
     ({"prompt": [[]], "max_tokens": 3}, "empty"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 2}, "top_p"),
     ({"prompt": "hi", "top_k": -2}, "top_k"),
-    ({"prompt": "hi", "stream": True}, "stream"),
+    ({"prompt": "hi", "stream": "yes please"}, "stream"),
     ({"prompt": [1, 10**6], "max_tokens": 2}, "token ids"),
     ({"prompt": [1] * 4095, "max_tokens": 5}, "exceeds"),
     ({"max_tokens": 5}, "prompt"),
-    ({"prompt": "hi", "top_p": 2}, "top_p"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "logprobs": 2}, "logprobs"),
     ({"prompt": "hi", "n": 2}, "n > 1"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "num_draft_tokens": 50}, "num_draft_tokens"),
 ])
-def test_bad_requests_then_good_one(client_engine, payload, needle):
-    client, _ = client_engine
+def test_bad_requests_then_good_one(client, payload, needle):
     r = client.post("/v1/completions", json=payload)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
-def test_sampled_request_with_seed_is_reproducible(client_engine):
-    client, _ = client_engine
+@pytest.mark.parametrize("payload, needle", [
+    ({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "text content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens")])
+def test_bad_chat_requests(client, payload, needle):
+    r = client.post("/v1/chat/completions", json=payload)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_seeded_sampling_is_reproducible(client):
     body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 7}
     a, b = client.post("/v1/completions", json=body).json(), client.post("/v1/completions", json=body).json()
-    assert a["choices"][0]["text"] == b["choices"][0]["text"]
-    assert a["usage"]["completion_tokens"] == 10
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"]["completion_tokens"] == 10
 
 
-def test_stop_string_cuts_text_and_usage(client_engine):
-    client, engine = client_engine
+def test_stop_string_cuts_text_and_usage(client, engine):
     ids = engine.tokenizer.encode("def add(a, b):")
     ref = engine.generate_target_only(ids, 12).token_ids
     text = engine.tokenizer.decode(ref[:6], skip_special_tokens=True)
     stop = text[-2:].strip() or text[-3:]
-    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "stop": [stop]}).json()
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "stop": [stop], **GREEDY}).json()
     choice = r["choices"][0]
     assert choice["finish_reason"] == "stop" and stop not in choice["text"]
     n = r["usage"]["completion_tokens"]
     assert n <= 6 and stop in engine.tokenizer.decode(ref[:n]) and stop not in engine.tokenizer.decode(ref[:n - 1])
+
+
+def test_metrics_exposition(client):
+    client.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 8, **GREEDY})
+    text = client.get("/metrics").text
+    for name in ("sharpdraft_requests_total", "sharpdraft_generation_tokens_total", "sharpdraft_spec_rounds_total",
+                 "sharpdraft_spec_mean_accepted_length", "sharpdraft_spec_accepted_at_position_total",
+                 "sharpdraft_request_latency_seconds_bucket", "sharpdraft_time_to_first_token_seconds_bucket",
+                 "sharpdraft_engine_step_seconds_bucket", "sharpdraft_requests_waiting",
+                 "sharpdraft_requests_running", "sharpdraft_request_draft_seconds_bucket"):
+        assert name in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    rounds, accepted = values["sharpdraft_spec_rounds_total"], values["sharpdraft_spec_accepted_draft_tokens_total"]
+    assert values["sharpdraft_spec_mean_accepted_length"] == pytest.approx(1 + accepted / rounds)
+    assert values['sharpdraft_requests_total{endpoint="completions",status="200"}'] >= 1
+
+
+# ---------------------------------------------------------------- concurrency (httpx on the ASGI app)
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_requests_share_steps_and_equal_solo(engine):
+    prompts = ["def fibonacci(n):", "The quick brown fox", "Once upon a time,", "import os\n", "What is 2 + 2?"]
+    solo = [engine.generate(engine.tokenizer.encode(p), 24).token_ids for p in prompts]
+    aeng = AsyncEngine(engine, max_running=8, max_waiting=8)
+    app = create_app(aeng, "tiny")
+
+    async def main():
+        aeng.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                rs = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": p, "max_tokens": 24,
+                                                                             **GREEDY}) for p in prompts])
+                metrics = (await c.get("/metrics")).text
+        finally:
+            aeng.shutdown()
+        return rs, metrics
+
+    rs, metrics = _run(main())
+    texts = [r.json()["choices"][0]["text"] for r in rs]
+    assert texts == [engine.tokenizer.decode(s, skip_special_tokens=True) for s in solo]
+    rows = [line for line in metrics.splitlines() if line.startswith("sharpdraft_engine_step_rows_bucket")]
+    le1 = next(float(x.split(" ")[1]) for x in rows if 'le="1.0"' in x)
+    total = next(float(x.split(" ")[1]) for x in rows if 'le="+Inf"' in x)
+    assert total > le1  # some steps advanced several requests at once
+
+
+def test_queue_full_answers_429_with_retry_after(engine):
+    aeng = AsyncEngine(engine, max_running=1, max_waiting=0)
+    app = create_app(aeng, "tiny")
+
+    async def main():
+        aeng.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 200,
+                                                                            **GREEDY}))
+                while aeng.num_running == 0:
+                    await asyncio.sleep(0.01)
+                second = await c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
+                ok = await first
+                third = await c.post("/v1/completions", json={"prompt": "c", "max_tokens": 2})
+        finally:
+            aeng.shutdown()
+        return second, ok, third
+
+    second, ok, third = _run(main())
+    assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert "capacity" in second.json()["error"]["message"]
+    assert ok.status_code == 200 and third.status_code == 200
+
+
+def test_second_worker_on_one_engine_is_refused(engine):
+    a, b = AsyncEngine(engine), AsyncEngine(engine)
+    a.start()
+    try:
+        with pytest.raises(RuntimeError, match="already driven"):
+            b.start()
+    finally:
+        a.shutdown()
+
+
+def test_abort_frees_slot_and_others_continue(engine):
+    """Engine level: aborting one running request frees its slot and caches; the other equals its solo run."""
+    a_ids, b_ids = engine.tokenizer.encode("The quick brown fox"), engine.tokenizer.encode("def f(x):")
+    solo = engine.generate(b_ids, 30).token_ids
+    aeng = AsyncEngine(engine, max_running=4, max_waiting=0)
+
+    async def main():
+        aeng.start()
+        try:
+            a = aeng.submit(a_ids, SamplingParams(max_new_tokens=200))
+            b = aeng.submit(b_ids, SamplingParams(max_new_tokens=30))
+            await a.next_event()
+            a.abort()
+            result = None
+            async for event in b:
+                result = event.result or result
+            for _ in range(100):
+                if not engine.sequences:
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine.sequences  # the aborted row is gone (b finished too)
+            with pytest.raises(QueueFull):  # capacity is back to 4 running; fill it and one more is refused
+                for _ in range(5):
+                    aeng.submit([1], SamplingParams(max_new_tokens=1))
+            return result
+        finally:
+            aeng.shutdown()
+
+    result = _run(main())
+    assert result.token_ids == solo
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(engine):
+    """A real uvicorn server: a streaming client hangs up after its first chunk; the request is aborted at once
+    (499 in /metrics, engine batch empty) and the next request is served."""
+    import uvicorn
+
+    aeng = AsyncEngine(engine, max_running=2, max_waiting=0)
+    app = create_app(aeng, "tiny")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, **GREEDY}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # hang up
+        for _ in range(200):
+            if aeng.num_running == 0:
+                break
+            time.sleep(0.05)
+        assert aeng.num_running == 0
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert ok.status_code == 200
+        metrics = httpx.get(url + "/metrics").text
+        assert 'sharpdraft_requests_total{endpoint="completions",status="499"} 1.0' in metrics
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -38,3 +38,28 @@ def test_length_and_stop_token_order(tokenizer):
     chk = StopChecker(SamplingParams(max_new_tokens=3), frozenset({2}), tokenizer)
     out = []
     assert chk.extend(out, [5, 6, 2, 8]) == "stop" and out == [5, 6, 2]  # stop and length at the same token
+
+
+def test_streaming_deltas_hold_split_multibyte_characters(tokenizer):
+    from runtime.stops import TextDeltas
+
+    text = "naïve café — 日本語のテキスト 🙂 done"
+    ids = _ids(tokenizer, text)
+    assert any("\ufffd" in tokenizer.decode(ids[:i]) for i in range(1, len(ids)))  # some token splits a character
+    deltas = TextDeltas(tokenizer)
+    pieces = [deltas.delta(ids[:i]) for i in range(1, len(ids))] + [deltas.delta(ids, final_text=text)]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_streaming_deltas_never_send_a_stop_string_prefix(tokenizer):
+    from runtime.stops import TextDeltas
+
+    ids = _ids(tokenizer, "alpha beta gamma delta")
+    chk = StopChecker(SamplingParams(max_new_tokens=50, stop=("gamma",)), frozenset(), tokenizer)
+    deltas, out, sent = TextDeltas(tokenizer, ("gamma",)), [], []
+    for tok in ids:
+        if chk.extend(out, [tok]):
+            sent.append(deltas.delta(out, final_text=chk.text(out)))
+            break
+        sent.append(deltas.delta(out))
+    assert "".join(sent) == "alpha beta " and chk.text(out) == "alpha beta "
