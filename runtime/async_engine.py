@@ -49,17 +49,24 @@ class StepEvent:
 class RequestStream:
     """Handle of one submitted request: ``async for event in stream`` yields :class:`StepEvent` until the result."""
 
-    def __init__(self, request_id: str, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop | None,
+                 callback: Callable[[StepEvent], None] | None = None):
         self.request_id = request_id
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue[StepEvent] = asyncio.Queue()
+        self._callback = callback
+        self._queue: asyncio.Queue[StepEvent] | None = asyncio.Queue() if callback is None else None
         self.finished = False
 
     def _push(self, event: StepEvent) -> None:  # worker thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        if self._callback is not None:  # threaded callers (Triton's Python backend): called on the worker
+            if event.token_ids and self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self._callback(event)
+        else:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def next_event(self, timeout: float | None = None) -> StepEvent | None:
         """The next event, or None after ``timeout`` seconds without one."""
@@ -143,19 +150,22 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request (call from the event loop).
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               callback: Callable[[StepEvent], None] | None = None) -> RequestStream:
+        """Queue a request: from the event loop (events arrive through the returned stream), or from any thread
+        with ``callback`` (called on the worker thread with every :class:`StepEvent`; it must not block).
 
         Raises:
             QueueFull: max_running + max_waiting requests are already in the system.
             ValueError: the request is invalid (see :meth:`SpecEngine.check_request`); nothing is queued.
         """
         self.engine.check_request(prompt_ids, params)
+        loop = asyncio.get_running_loop() if callback is None else None
         with self._lock:
             if self._pending >= self.max_running + self.max_waiting:
                 raise QueueFull(self.num_running, self.num_waiting)
             self._pending += 1
-        stream = RequestStream(f"req-{next(self._ids)}", self, asyncio.get_running_loop())
+        stream = RequestStream(f"req-{next(self._ids)}", self, loop, callback)
         self._commands.put(("add", (stream, list(prompt_ids), params)))
         self._wake.set()
         return stream
