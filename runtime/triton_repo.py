@@ -115,9 +115,14 @@ def write_model_repository(engine_dir: Path, out: Path, name: str = "sharpdraft"
 @click.option("--kind", default="cpu", type=click.Choice(["cpu", "gpu"]), show_default=True)
 @click.option("--max-running", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0))
-def main(engine_dir: Path, out: Path, name: str, kind: str, max_running: int, max_waiting: int) -> None:
+@click.option("--python-path", multiple=True, help="extra folders for the backend's sys.path (e.g. the site-packages "
+              "of .venv-triton; Triton's backend stub does not read PYTHONPATH)")
+def main(engine_dir: Path, out: Path, name: str, kind: str, max_running: int, max_waiting: int,
+         python_path: tuple[str, ...]) -> None:
+    root = str(Path(__file__).resolve().parents[1])
     try:
-        model = write_model_repository(engine_dir, out, name, kind, max_running, max_waiting)
+        model = write_model_repository(engine_dir, out, name, kind, max_running, max_waiting,
+                                       [root, *[str(Path(p).resolve()) for p in python_path]])
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"wrote {model}/config.pbtxt and {model}/1/model.py; serve with: "
