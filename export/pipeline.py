@@ -197,7 +197,10 @@ def run_export(cfg: ExportConfig) -> dict:
         drafter_io = export_drafter(drafter, scratch / "frozen.onnx")
         # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
         counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
-                              num_keys_input="attention_mask")
+                              num_keys_input="attention_mask",
+                              row_switch_input="query_scale_enabled" if profile.enabled else None)
+        if profile.enabled:  # the rewrite added a per-row on/off input (per-request A/B of the query scale)
+            drafter_io["inputs"] = [*drafter_io["inputs"], "query_scale_enabled"]
         log.info("query-scale rewrite: %s", counts)
         shared = find_shared_weights(tmp / "target" / "model.onnx")
         embed = target.get_input_embeddings().weight.detach()

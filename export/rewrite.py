@@ -41,7 +41,8 @@ class _Collected:
     rejected: list[tuple[str, str, MatchFailure]] = dataclasses.field(default_factory=list)  # (rule, node, why)
 
 
-def insert_query_scale(model: ir.Model, profile: QueryScaleProfile, num_keys_input: str | None = None) -> dict[str, int]:
+def insert_query_scale(model: ir.Model, profile: QueryScaleProfile, num_keys_input: str | None = None,
+                       row_switch_input: str | None = None) -> dict[str, int]:
     """Multiply the query of every attention in ``model.graph`` by beta(N), computed in-graph from the key length.
 
     Each query Q (e.g. [batch, heads, q_len, head_dim], any float dtype) becomes ``Q * Cast(beta(N), Q.dtype)``;
@@ -49,7 +50,9 @@ def insert_query_scale(model: ir.Model, profile: QueryScaleProfile, num_keys_inp
     With ``num_keys_input`` (the name of a graph input ``[batch, keys]`` holding a 0/1 key mask, e.g. a ragged
     batch's right-padded ``attention_mask``), N is instead counted per batch row: ``ReduceSum(mask, -1)``, shaped
     ``[batch, 1, ..., 1]`` to the query's rank, so padded rows get the beta of their own visible keys. All
-    attentions then share that one subgraph (every query of a DFlash block sees the same N).
+    attentions then share that one subgraph (every query of a DFlash block sees the same N). With
+    ``row_switch_input`` too, a new float32 graph input ``[batch]`` of that name turns the scale on (1) or off (0)
+    per row: beta_row = 1 + (beta - 1) * switch (per-request A/B comparisons in one batch).
     With ``profile.enabled == False`` nothing is inserted (frozen baseline); the profile is recorded either way in
     ``model.metadata_props["sharpdraft.query_scale"]`` (JSON of ``profile.to_dict()``). Modifies ``model`` in place.
 
@@ -74,7 +77,7 @@ def insert_query_scale(model: ir.Model, profile: QueryScaleProfile, num_keys_inp
         if num_keys_input is None:
             _rewrite(graph, found.todo, profile, counts)
         elif found.todo:
-            _rewrite_from_key_mask(graph, found.todo, profile, counts, num_keys_input)
+            _rewrite_from_key_mask(graph, found.todo, profile, counts, num_keys_input, row_switch_input)
         graph.sort()
     model.metadata_props[PROFILE_METADATA_KEY] = _profile_json(profile)
     for rule_name, node_name, why in found.rejected:
@@ -83,7 +86,8 @@ def insert_query_scale(model: ir.Model, profile: QueryScaleProfile, num_keys_inp
     return counts
 
 
-def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile, num_keys_input: str | None = None) -> dict[str, int]:
+def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile, num_keys_input: str | None = None,
+                 row_switch_input: str | None = None) -> dict[str, int]:
     """Load ``src`` (with its external data), :func:`insert_query_scale`, clean up, toposort, save and check.
 
     The result is ``dst`` with all initializers in ``dst.parent / (dst.name + ".data")``; ``onnx.checker`` runs on
@@ -98,7 +102,7 @@ def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile, num_keys_inpu
     """
     src, dst = Path(src), Path(dst)
     model = ir.load(src)
-    counts = insert_query_scale(model, profile, num_keys_input)
+    counts = insert_query_scale(model, profile, num_keys_input, row_switch_input)
     RemoveUnusedNodesPass()(model)
     TopologicalSortPass()(model)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +149,7 @@ def _rewrite(graph: ir.Graph, todo: list[AttentionMatch], profile: QueryScalePro
 
 
 def _rewrite_from_key_mask(graph: ir.Graph, todo: list[AttentionMatch], profile: QueryScaleProfile,
-                           counts: dict[str, int], mask_name: str) -> None:
+                           counts: dict[str, int], mask_name: str, switch_name: str | None = None) -> None:
     """One beta subgraph from N[b] = sum(mask[b, :]) (int64), shaped per query rank; see :func:`insert_query_scale`."""
     import numpy as np
 
@@ -162,10 +166,23 @@ def _rewrite_from_key_mask(graph: ir.Graph, todo: list[AttentionMatch], profile:
     builder = SubgraphBuilder(graph, names, "beta_rows")
     as_int = builder.op("Cast", mask, to=int(ir.DataType.INT64))
     per_row = builder.op("ReduceSum", as_int, builder.const(np.array([-1], dtype=np.int64)), keepdims=0)  # [batch]
+    switch = None
+    if switch_name is not None:
+        if any(v.name == switch_name for v in graph.inputs):
+            raise QueryScaleRewriteError(f"graph already has an input named {switch_name!r}")
+        batch = mask.shape[0] if mask.shape is not None else None
+        switch = ir.Value(name=switch_name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([batch]))
+        graph.inputs.append(switch)
     shared_by_rank = {}
     for rank in sorted(ranks):
-        n = builder.op("Unsqueeze", per_row, builder.const(np.arange(1, rank, dtype=np.int64)))  # [batch, 1, ...]
-        shared_by_rank[rank] = SharedBeta(builder, beta_from_num_keys(builder, n, profile))
+        axes = builder.const(np.arange(1, rank, dtype=np.int64))
+        n = builder.op("Unsqueeze", per_row, axes)  # [batch, 1, ...]
+        beta = beta_from_num_keys(builder, n, profile)
+        if switch is not None:  # 1 + (beta - 1) * switch[b]
+            one = builder.const(np.array(1.0, dtype=np.float32))
+            on = builder.op("Unsqueeze", switch, axes)
+            beta = builder.op("Add", builder.op("Mul", builder.op("Sub", beta, one), on), one)
+        shared_by_rank[rank] = SharedBeta(builder, beta)
     for match in todo:
         site_builder = SubgraphBuilder(graph, names, "beta_rows/site")
         rules[match.rule].rewrite(match, shared_by_rank[len(match.query.shape)], site_builder)

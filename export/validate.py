@@ -98,10 +98,14 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         h, _ = drafter(emb, th, pos, pkv, query_scale=b)
         frozen_h, _ = drafter(emb, th, pos, pkv, query_scale=None)
         ref = (h[:, 1:] @ lm_head.T).numpy()
-        effect = float(np.abs(ref - (frozen_h[:, 1:] @ lm_head.T).numpy()).max())
-        return {"past": past, "ids": ids, "th": th, "pos": pos, "beta": float(b), "ref": ref, "effect": effect}
+        ref_frozen = (frozen_h[:, 1:] @ lm_head.T).numpy()
+        effect = float(np.abs(ref - ref_frozen).max())
+        return {"past": past, "ids": ids, "th": th, "pos": pos, "beta": float(b), "ref": ref, "effect": effect,
+                "ref_frozen": ref_frozen}
 
-    def run(cases: list[dict]) -> np.ndarray:
+    has_switch = "query_scale_enabled" in io["inputs"]
+
+    def run(cases: list[dict], switch: list[float] | None = None) -> np.ndarray:
         """One ORT call over the cases as a batch, caches right-padded to the longest and masked."""
         lens = [c["past"][0].shape[2] for c in cases]
         l_max = max(lens)
@@ -114,6 +118,8 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
             mask[r, :n] = 1
             mask[r, l_max:] = 1
         feed["attention_mask"] = mask
+        if has_switch:
+            feed["query_scale_enabled"] = np.asarray(switch or [1.0] * len(cases), np.float32)
         for j, name in enumerate(past_names):
             buf = np.zeros((len(cases), cfg.num_key_value_heads, l_max, cfg.head_dim), np.float32)
             for r, c in enumerate(cases):
@@ -139,4 +145,12 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
     cases = [case(n) for n in pair]
     logits = run(cases)
     ragged = [check(c, logits[r], n) for r, (c, n) in enumerate(zip(cases, pair))]
-    return {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points, "ragged": ragged}
+    out = {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points, "ragged": ragged}
+    if has_switch:  # rows with the scale switched off must equal the frozen drafter (beta = 1) at any N
+        n_keys = 4 * profile.ref_keys
+        c = case(n_keys)
+        frozen = {**c, "ref": c["ref_frozen"], "beta": 1.0}
+        logits = run([c, c], switch=[0.0, 1.0])
+        out["switched_off"] = check(frozen, logits[0], n_keys)
+        check(c, logits[1], n_keys)
+    return out

@@ -19,7 +19,7 @@ decode target-only in the same batched call (k = 0), still exact.
 Backends (duck-typed, see runtime/ort_engines.py and tests/runtime/scripted.py):
   target:  vocab_size, max_positions, new_cache(), forward(caches, tokens) -> (logits [b, q, V], feats [b, q, F])
   drafter: vocab_size, num_draft_tokens, max_positions, verification, new_cache(), can_draft(committed),
-           draft(caches, bonus_tokens, contexts) -> logits [b, K, V_drafter]
+           draft(caches, bonus_tokens, contexts[, query_scale=[bool per row]]) -> logits [b, K, V_drafter]
 """
 from __future__ import annotations
 
@@ -164,6 +164,10 @@ class SpecEngine:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds the drafter's {k_max}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass stop_token_ids instead")
+        if not params.query_scale and self.drafter is not None and getattr(self.drafter, "query_scaled", False) \
+                and not getattr(self.drafter, "query_scale_switch", False):
+            raise ValueError("this engines folder has no per-request query-scale switch (exported by an older "
+                             "sharpdraft); re-export it with sharpdraft-export to use query_scale=false")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         """Queue a request; its prefill runs at the next :meth:`step`.
@@ -238,8 +242,11 @@ class SpecEngine:
         qs: list[np.ndarray | None] = [None] * len(seqs)
         if drafting:
             rows = [seqs[i] for i in drafting]
-            logits = self.drafter.draft([s.drafter_cache for s in rows], [s.out[-1] for s in rows],
-                                        [s.pending_ctx for s in rows])
+            args = ([s.drafter_cache for s in rows], [s.out[-1] for s in rows], [s.pending_ctx for s in rows])
+            if all(s.params.query_scale for s in rows):
+                logits = self.drafter.draft(*args)
+            else:
+                logits = self.drafter.draft(*args, query_scale=[s.params.query_scale for s in rows])
             for i, s, lg in zip(drafting, rows, logits):
                 s.pending_ctx = s.pending_ctx[:0]
                 drafts[i], qs[i] = s.sampler.draft(self._draft_logits(lg, ks[i]), self.verification)

@@ -173,6 +173,8 @@ class OrtDFlashDrafter(_Graph):
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
         self.batched = "attention_mask" in graph["inputs"]
+        self.query_scaled = bool(manifest["query_scale"]["enabled"])
+        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
         target_graph = engine_dir / manifest["graphs"]["target"]["file"]
         self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()}
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
@@ -181,7 +183,8 @@ class OrtDFlashDrafter(_Graph):
         """True when a block at positions committed .. committed + B - 1 fits the drafter's positions."""
         return committed + self.block_size <= self.max_positions
 
-    def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[np.ndarray]) -> np.ndarray:
+    def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[np.ndarray],
+              query_scale: list[bool] | None = None) -> np.ndarray:
         """Draft B-1 tokens after each row's bonus token.
 
         Args:
@@ -189,15 +192,22 @@ class OrtDFlashDrafter(_Graph):
             bonus_tokens: per row the last token the target produced (block slot 0, at position s).
             contexts: per row ``[ctx_len, F]`` f32 taps of the verified positions kv_len .. s - 1 (ctx_len >= 0);
                 they are appended to the row's cache.
+            query_scale: per row, False = beta 1 (frozen drafter) through the graph's ``query_scale_enabled``
+                input; None = on for every row.
         Returns:
             logits ``[batch, B - 1, vocab]`` f32 for block slots 1..B-1.
+        Raises:
+            ValueError: a row asks for the scale off and the graph has no switch input.
         """
+        flags = [True] * len(caches) if query_scale is None else list(query_scale)
+        if not all(flags) and self.query_scaled and not self.query_scale_switch:
+            raise ValueError("this drafter graph has no query_scale_enabled input; re-export the engines folder")
         if not self.batched:
-            return np.concatenate([self._draft_rows([c], [b], [x]) for c, b, x in zip(caches, bonus_tokens,
-                                                                                      contexts)])
-        return self._draft_rows(caches, bonus_tokens, contexts)
+            return np.concatenate([self._draft_rows([c], [b], [x], [f]) for c, b, x, f in
+                                   zip(caches, bonus_tokens, contexts, flags)])
+        return self._draft_rows(caches, bonus_tokens, contexts, flags)
 
-    def _draft_rows(self, caches, bonus_tokens, contexts) -> np.ndarray:
+    def _draft_rows(self, caches, bonus_tokens, contexts, flags) -> np.ndarray:
         b, blk = len(caches), self.block_size
         ctx_lens = [x.shape[0] for x in contexts]
         c_max = max(ctx_lens)
@@ -218,6 +228,8 @@ class OrtDFlashDrafter(_Graph):
         feed = {"input_ids": ids, "target_hidden": hidden, "position_ids": pos}
         if self.batched:
             feed["attention_mask"] = mask
+        if self.query_scale_switch:
+            feed["query_scale_enabled"] = np.asarray(flags, np.float32)
         feed.update(zip(self.kv_names, past))
         feed.update(self.shared)
         logits, *present = self.session.run(self.out_names, feed)

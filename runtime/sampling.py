@@ -64,6 +64,8 @@ class SamplingParams:
         ignore_eos: do not stop at the EOS ids (stop_token_ids still apply).
         speculative: False decodes target-only (the A/B baseline).
         num_draft_tokens: draft tokens per round for this request, 0..the drafter's maximum; None = the maximum.
+        query_scale: False drafts this request with the query scale switched off (beta = 1, the frozen drafter),
+            for A/B comparisons; needs an engines folder exported with the per-row switch.
     Raises:
         ValueError: any field out of range, with what to send instead.
     """
@@ -78,6 +80,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True
     num_draft_tokens: int | None = None
+    query_scale: bool = True
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -9,7 +9,8 @@ and waiting place is taken the server answers 429 with Retry-After. A client tha
 
 Request fields: model, prompt / messages, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k,
 seed, stop, stop_token_ids, ignore_eos, n (1 only), stream, stream_options.include_usage, echo (completions), and
-the sharpdraft extension ``speculative`` (false: target-only decoding for this request, for A/B comparisons) and
+the sharpdraft extensions ``speculative`` (false: target-only decoding for this request), ``query_scale`` (false:
+this request drafts with beta = 1, the frozen drafter; both for A/B comparisons in one server) and
 ``num_draft_tokens``. Fields the server cannot honour (n > 1, logprobs, non-zero penalties, logit_bias, best_of > 1)
 are refused with 400 and say so; unknown fields are ignored like OpenAI does.
 """
@@ -56,6 +57,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     speculative: bool = True  # sharpdraft extension: false = target-only decoding for this request
     num_draft_tokens: int | None = Field(None, ge=0)  # sharpdraft extension
+    query_scale: bool = True  # sharpdraft extension: false = this request drafts with beta = 1 (frozen drafter)
 
 
 class CompletionRequest(_Common):
@@ -163,7 +165,8 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
             return SamplingParams(max_new_tokens=max_tokens or default_max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                                  speculative=req.speculative, num_draft_tokens=req.num_draft_tokens)
+                                  speculative=req.speculative, num_draft_tokens=req.num_draft_tokens,
+                                  query_scale=req.query_scale)
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
 

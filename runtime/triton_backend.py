@@ -58,7 +58,8 @@ def parse_request(request, pb_utils) -> tuple[str, SamplingParams, bool]:
         top_p=float(_scalar(request, "sampling_param_top_p", pb_utils, 1.0)),
         top_k=int(_scalar(request, "sampling_param_top_k", pb_utils, 0)),
         seed=None if seed is None else int(seed), stop=stop,
-        speculative=bool(_scalar(request, "speculative", pb_utils, True)))
+        speculative=bool(_scalar(request, "speculative", pb_utils, True)),
+        query_scale=bool(_scalar(request, "query_scale", pb_utils, True)))
     return text, params, bool(_scalar(request, "streaming", pb_utils, False))
 
 

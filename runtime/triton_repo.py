@@ -28,6 +28,7 @@ INPUTS = [  # (name, data type, dims, optional)
     ("sampling_param_seed", "TYPE_UINT64", "[ 1 ]", True),
     ("sampling_param_stop", "TYPE_STRING", "[ -1 ]", True),
     ("speculative", "TYPE_BOOL", "[ 1 ]", True),
+    ("query_scale", "TYPE_BOOL", "[ 1 ]", True),
 ]
 OUTPUTS = [
     ("text_output", "TYPE_STRING", "[ 1 ]"),

@@ -24,7 +24,9 @@ def test_manifest_records_profile_io_and_validation(tiny_engines):
     assert qs["source"].startswith("cli")
     assert qs["rewrite"]["DecomposedAttentionQueryScale"] == 2 and qs["rewrite"]["beta_subgraphs"] == 1
     assert m["drafter"]["block_size"] == 4 and m["drafter"]["mask_embedding"] is True
-    assert m["graphs"]["drafter"]["inputs"][-2:] == ["embed_weight", "lm_head_weight"]
+    assert m["graphs"]["drafter"]["inputs"][-3:] == ["embed_weight", "lm_head_weight", "query_scale_enabled"]
+    off = m["validation"]["drafter"]["switched_off"]  # switch 0: equals the frozen drafter at N = 4 ref
+    assert off["beta"] == 1.0 and off["max_abs_diff_logits"] <= off["bound"]
     assert "attention_mask" in m["graphs"]["drafter"]["inputs"] and "attention_mask" in qs["num_keys"]
     ragged = m["validation"]["drafter"]["ragged"]  # one call, rows at N = 4 ref and ref - 1, each vs its solo run
     assert [p["num_keys"] for p in ragged] == [256, 63] and ragged[1]["beta"] == 1.0
@@ -62,7 +64,7 @@ def test_graph_beta_intermediate(tiny_engines, tmp_path):
     m = load_manifest(tiny_engines)
     d = m["drafter"]["config"]
     blk, ctx, prof = d["block_size"], 2, QueryScaleProfile(ref_keys=64)
-    def beta_rows(ns: list[int]) -> np.ndarray:
+    def beta_rows(ns: list[int], switch: list[float] | None = None) -> np.ndarray:
         """One call, one row per N: caches right-padded to the longest, padding masked out."""
         b, l_max = len(ns), max(ns) - ctx - blk
         mask = np.zeros((b, l_max + ctx + blk), np.int64)
@@ -71,6 +73,7 @@ def test_graph_beta_intermediate(tiny_engines, tmp_path):
             mask[r, l_max:] = 1
         feed = {"input_ids": np.full((b, blk), d["dflash_config"]["mask_token_id"], np.int64),
                 "target_hidden": np.zeros((b, ctx, 128), np.float32), "attention_mask": mask,
+                "query_scale_enabled": np.asarray(switch or [1.0] * b, np.float32),
                 "position_ids": np.tile(np.arange(l_max, l_max + ctx + blk, dtype=np.int64), (b, 1)),
                 "embed_weight": np.zeros((d["vocab_size"], 64), np.float32),
                 "lm_head_weight": np.zeros((d["vocab_size"], 64), np.float32)}
@@ -84,6 +87,8 @@ def test_graph_beta_intermediate(tiny_engines, tmp_path):
     got = beta_rows(ns)
     np.testing.assert_allclose(got, [prof.beta(n) for n in ns], atol=1e-6)
     assert got[:3].tolist() == [1.0, 1.0, 1.0] and all(x > 1.0 for x in got[3:])
+    off = beta_rows([20 * 64, 20 * 64], switch=[0.0, 1.0])  # per-request switch: off -> 1, on -> beta(N)
+    assert off[0] == 1.0 and off[1] == pytest.approx(prof.beta(20 * 64), abs=1e-6)
 
 
 def test_profile_precedence(tiny_target_dir, tmp_path):

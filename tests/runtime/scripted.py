@@ -77,7 +77,7 @@ class ScriptedDrafter:
     def can_draft(self, committed: int) -> bool:
         return committed + self.block_size <= self.max_positions
 
-    def draft(self, caches, bonus_tokens, contexts):
+    def draft(self, caches, bonus_tokens, contexts, **kw):
         out = []
         for c, bonus, ctx in zip(caches, bonus_tokens, contexts):
             c.ids.extend(int(t) for t in ctx[:, 0])
@@ -119,8 +119,8 @@ class PaddedVocabDrafter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft(self, caches, bonus_tokens, contexts):
-        logits = self.inner.draft(caches, bonus_tokens, contexts)
+    def draft(self, caches, bonus_tokens, contexts, **kw):
+        logits = self.inner.draft(caches, bonus_tokens, contexts, **kw)
         extra = np.zeros((*logits.shape[:2], self.pad), np.float32)
         out = np.concatenate([logits, extra], axis=-1)
         out[..., self.bias_row] = self.bias

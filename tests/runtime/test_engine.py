@@ -28,8 +28,8 @@ class ReplayDrafter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft(self, caches, bonus_tokens, contexts):
-        logits = self.inner.draft(caches, bonus_tokens, contexts)
+    def draft(self, caches, bonus_tokens, contexts, **kw):
+        logits = self.inner.draft(caches, bonus_tokens, contexts, **kw)
         k = logits.shape[1]
         for r, cache in enumerate(caches):
             done = cache.length - self.prompt_len + 1  # tokens emitted so far: the cache covers all but the bonus
@@ -242,3 +242,27 @@ def test_ragged_draft_call_equals_solo_calls(engine):
     batched = engine.drafter.draft([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
     np.testing.assert_allclose(batched, np.stack(solo), atol=1e-4, rtol=1e-4)
     assert [dc.length for dc, _, _ in rows] == lengths
+
+
+def test_query_scale_switch_per_row(engine):
+    """One drafter call: a row with the scale off equals the frozen drafter; the row beside it keeps beta(N)."""
+    assert engine.drafter.query_scale_switch
+    ids = (engine.tokenizer.encode(" ".join(PROMPTS)) * 8)[:300]  # N > ref_keys (64): beta is well above 1
+    tc = engine.target.new_cache()
+    _, feats = engine.target.forward([tc], [ids])
+
+    def draft(flags):
+        caches = [engine.drafter.new_cache() for _ in flags]
+        return engine.drafter.draft(caches, [ids[-1]] * len(flags), [feats[0]] * len(flags), query_scale=flags)
+
+    on, off = draft([True])[0], draft([False])[0]
+    mixed = draft([False, True])
+    assert np.abs(on - off).max() > 1e-2  # the scale changes the logits at N = 300 + 4
+    np.testing.assert_allclose(mixed[0], off, atol=1e-4)
+    np.testing.assert_allclose(mixed[1], on, atol=1e-4)
+
+
+def test_query_scale_off_request_runs_lossless(engine):
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    out = engine.generate(ids, params=SamplingParams(max_new_tokens=20, query_scale=False))
+    assert out.token_ids == engine.generate_target_only(ids, 20).token_ids

@@ -324,3 +324,11 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_query_scale_off_per_request(client):
+    body = {"prompt": "import numpy as np\n", "max_tokens": 16, **GREEDY}
+    a = client.post("/v1/completions", json=body).json()
+    b = client.post("/v1/completions", json={**body, "query_scale": False}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # greedy stays lossless either way
+    assert client.post("/v1/completions", json={**body, "query_scale": "maybe"}).status_code == 400
