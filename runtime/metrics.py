@@ -54,7 +54,8 @@ class SpecStats:
         return self.new_tokens / total if total > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"mean_accepted_length": round(self.mean_accepted_length, 4), "rounds": self.rounds,
+        return {"mean_accepted_length": round(self.mean_accepted_length, 4) if self.rounds else None,
+                "rounds": self.rounds,
                 "accepted_draft_tokens": self.accepted, "num_draft_tokens_per_round": self.num_draft_tokens_per_round,
                 "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
                 "new_tokens": self.new_tokens, "tokens_per_s": round(self.tokens_per_s, 3),

@@ -26,6 +26,7 @@ import click
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from runtime.async_engine import AsyncEngine, QueueFull, RequestStream
@@ -34,6 +35,7 @@ from runtime.server_metrics import ServerMetrics
 from runtime.stops import TextDeltas
 
 DISCONNECT_POLL_S = 0.25
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 class _Common(BaseModel):
@@ -49,20 +51,20 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False
     n: int = Field(1, ge=1)
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
     logprobs: int | bool | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    speculative: bool = True  # sharpdraft extension: false = target-only decoding for this request
+    speculative: bool = Field(True, strict=True)  # sharpdraft extension: false = target-only decoding for this request
     num_draft_tokens: int | None = Field(None, ge=0)  # sharpdraft extension
-    query_scale: bool = True  # sharpdraft extension: false = this request drafts with beta = 1 (frozen drafter)
+    query_scale: bool = Field(True, strict=True)  # sharpdraft extension: false = this request drafts with beta = 1 (frozen drafter)
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool = Field(False, strict=True)
     best_of: int | None = None
 
     @field_validator("prompt")
@@ -130,12 +132,21 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
     async def bad_request(_, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers malformed requests with 400 and an error object, not FastAPI's 422.
         msg = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        metrics.request_done("invalid", 400)
+        if any(e.get("type") == "json_invalid" for e in exc.errors()):
+            msg = "request body is not valid JSON: " + msg
         return _error(400, msg)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, exc.detail, getattr(exc, "headers", None))
+    @app.exception_handler(StarletteHTTPException)  # also unknown paths / methods (404 / 405), OpenAI-style
+    async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.middleware("http")
+    async def count_responses(request: Request, call_next):
+        response = await call_next(request)
+        endpoint = ENDPOINTS.get(request.url.path)
+        if endpoint is not None:  # every answer of the API endpoints, by status (streams: their 200 at start)
+            metrics.request_done(endpoint, response.status_code)
+        return response
 
     @app.get("/health")
     async def health() -> dict:
@@ -170,11 +181,16 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
 
+    def ab(params: SamplingParams) -> dict:
+        """The A/B switches this request ran with (echoed in the response's ``sharpdraft`` block)."""
+        qs = (engine.manifest or {}).get("query_scale", {})
+        return {"speculative": params.speculative,
+                "query_scale": bool(params.query_scale and params.speculative and qs.get("enabled", False))}
+
     def submit(ids: list[int], params: SamplingParams) -> RequestStream:
         try:
             return async_engine.submit(ids, params)
         except QueueFull as e:
-            metrics.request_done("rejected", 429)
             raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
@@ -186,7 +202,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
             if event is None:
                 if await request.is_disconnected():
                     stream.abort()
-                    metrics.request_done("aborted", 499)
+                    metrics.aborted.labels(ENDPOINTS.get(request.url.path, "other")).inc()
                     return None
                 continue
             if event.error is not None:
@@ -227,7 +243,6 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
                 async for event in stream:
                     if event.error is not None:
                         yield sse({"error": {"message": event.error, "type": "server_error", "code": 500}})
-                        metrics.request_done(endpoint, 500)
                         finished = True
                         return
                     generated.extend(event.token_ids)
@@ -247,7 +262,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
             finally:
                 if not finished:  # client went away (generator closed) or the loop was cancelled
                     stream.abort()
-                    metrics.request_done(endpoint, 499)
+                    metrics.aborted.labels(endpoint).inc()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -262,7 +277,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model or model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": None,
                                  "finish_reason": result.finish_reason}],
-                    "usage": use, "sharpdraft": result.stats.to_dict()}
+                    "usage": use, "sharpdraft": {**result.stats.to_dict(), **ab(params)}}
 
         def chunk(rid, created, text, finish_reason, first=False):
             if first and not text:
@@ -288,7 +303,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
             return {"id": rid, "object": "chat.completion", "created": created, "model": req.model or model_name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "logprobs": None, "finish_reason": result.finish_reason}],
-                    "usage": use, "sharpdraft": result.stats.to_dict()}
+                    "usage": use, "sharpdraft": {**result.stats.to_dict(), **ab(params)}}
 
         def chunk(rid, created, text, finish_reason, first=False):
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})

@@ -20,8 +20,10 @@ class ServerMetrics:
     def __init__(self, async_engine) -> None:
         r = self.registry = CollectorRegistry()
         p = "sharpdraft_"
-        self.requests = Counter(p + "requests", "Requests by endpoint and HTTP status (499: client went away)",
+        self.requests = Counter(p + "requests", "API responses by endpoint and HTTP status (streams count their 200)",
                                 ["endpoint", "status"], registry=r)
+        self.aborted = Counter(p + "requests_aborted", "Requests aborted because the client went away",
+                               ["endpoint"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated (usage.completion_tokens)",
                                          registry=r)
@@ -66,7 +68,6 @@ class ServerMetrics:
         import time
 
         now = time.perf_counter()
-        self.request_done(endpoint, 200)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         s = result.stats

@@ -52,7 +52,19 @@ def parse_request(request, pb_utils) -> tuple[str, SamplingParams, bool]:
     if stop_t is not None:
         stop = tuple(s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop_t.as_numpy().reshape(-1))
     seed = _scalar(request, "sampling_param_seed", pb_utils)
-    params = SamplingParams(
+    try:
+        params = _params(request, pb_utils, seed, stop)
+    except ValueError as e:  # name the Triton tensors, not the Python fields
+        msg = str(e)
+        for field in ("max_new_tokens", "temperature", "top_p", "top_k", "seed"):
+            msg = msg.replace(field, "sampling_param_" + ("max_tokens" if field == "max_new_tokens" else field), 1) \
+                if msg.startswith(field) else msg
+        raise ValueError(msg) from e
+    return text, params, bool(_scalar(request, "streaming", pb_utils, False))
+
+
+def _params(request, pb_utils, seed, stop) -> SamplingParams:
+    return SamplingParams(
         max_new_tokens=int(_scalar(request, "sampling_param_max_tokens", pb_utils, DEFAULT_MAX_TOKENS)),
         temperature=float(_scalar(request, "sampling_param_temperature", pb_utils, 0.0)),
         top_p=float(_scalar(request, "sampling_param_top_p", pb_utils, 1.0)),
@@ -60,7 +72,6 @@ def parse_request(request, pb_utils) -> tuple[str, SamplingParams, bool]:
         seed=None if seed is None else int(seed), stop=stop,
         speculative=bool(_scalar(request, "speculative", pb_utils, True)),
         query_scale=bool(_scalar(request, "query_scale", pb_utils, True)))
-    return text, params, bool(_scalar(request, "streaming", pb_utils, False))
 
 
 class TritonPythonModel:

@@ -126,8 +126,8 @@ def main(engine_dir: Path, out: Path, name: str, kind: str, max_running: int, ma
                                        [root, *[str(Path(p).resolve()) for p in python_path]])
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"wrote {model}/config.pbtxt and {model}/1/model.py; serve with: "
-               f"tritonserver --model-repository {out}")
+    click.echo(f"wrote {model}/config.pbtxt and {model}/1/model.py; serve with: .venv-triton/bin/python "
+               f"scripts/triton_serve.py --model-repository {out}  (see README, Triton Inference Server)")
 
 
 if __name__ == "__main__":

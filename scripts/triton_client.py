@@ -69,6 +69,7 @@ def main() -> None:
     if not out["cancelled"]:
         client.stop_stream()
     print(json.dumps(out))
+    raise SystemExit(2 if out["error"] else 0)
 
 
 if __name__ == "__main__":

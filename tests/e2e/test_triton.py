@@ -71,10 +71,10 @@ def triton(tiny_engines, tmp_path_factory):
         log.close()
 
 
-def _client(url, *args):
+def _client(url, *args, rc=0):
     r = subprocess.run([str(TRITON_PY), str(ROOT / "scripts" / "triton_client.py"), "--url", url, *args],
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == rc, r.stderr[-3000:]  # 2: the server answered with an error
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -117,8 +117,8 @@ def test_streaming_deltas_concatenate_to_the_text(triton):
 
 def test_bad_request_is_an_error_and_the_next_one_works(triton):
     grpc_url, _ = triton
-    bad = _client(grpc_url, "--prompt", "hi", "--temperature", "-1")
-    assert bad["error"] is not None and "temperature" in bad["error"]
+    bad = _client(grpc_url, "--prompt", "hi", "--temperature", "-1", rc=2)
+    assert bad["error"] is not None and "sampling_param_temperature" in bad["error"]
     assert _client(grpc_url, "--prompt", "hi", "--max-tokens", "4")["completion_tokens"] == 4
 
 

@@ -99,6 +99,7 @@ def test_speculation_off_per_request_gives_same_greedy_text(client):
     a = client.post("/v1/completions", json=body).json()
     b = client.post("/v1/completions", json={**body, "speculative": False}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"] and b["sharpdraft"]["rounds"] == 0
+    assert b["sharpdraft"]["mean_accepted_length"] is None and b["sharpdraft"]["speculative"] is False
 
 
 def test_unknown_model_is_404(client):
@@ -290,7 +291,7 @@ def _free_port():
 
 def test_client_disconnect_mid_stream_frees_the_slot(engine):
     """A real uvicorn server: a streaming client hangs up after its first chunk; the request is aborted at once
-    (499 in /metrics, engine batch empty) and the next request is served."""
+    (counted in /metrics, engine batch empty) and the next request is served."""
     import uvicorn
 
     aeng = AsyncEngine(engine, max_running=2, max_waiting=0)
@@ -320,7 +321,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine):
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
         assert ok.status_code == 200
         metrics = httpx.get(url + "/metrics").text
-        assert 'sharpdraft_requests_total{endpoint="completions",status="499"} 1.0' in metrics
+        assert 'sharpdraft_requests_aborted_total{endpoint="completions"} 1.0' in metrics
     finally:
         server.should_exit = True
         thread.join(10)
@@ -331,4 +332,25 @@ def test_query_scale_off_per_request(client):
     a = client.post("/v1/completions", json=body).json()
     b = client.post("/v1/completions", json={**body, "query_scale": False}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]  # greedy stays lossless either way
-    assert client.post("/v1/completions", json={**body, "query_scale": "maybe"}).status_code == 400
+    assert a["sharpdraft"]["query_scale"] is True and b["sharpdraft"]["query_scale"] is False
+    for bad in ("maybe", "no", 0):
+        assert client.post("/v1/completions", json={**body, "query_scale": bad}).status_code == 400
+
+
+def test_errors_are_openai_shaped_and_counted_per_endpoint(client):
+    def count(endpoint, status):
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith(f'sharpdraft_requests_total{{endpoint="{endpoint}",status="{status}"}}'):
+                return float(line.split()[1])
+        return 0.0
+
+    before = count("chat", 400), count("chat", 404), count("completions", 400)
+    assert client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2}).status_code == 400
+    assert client.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "a"}]}
+                       ).status_code == 404
+    assert client.post("/v1/completions", json={"prompt": "hi", "n": 3}).status_code == 400
+    assert (count("chat", 400), count("chat", 404), count("completions", 400)) == tuple(b + 1 for b in before)
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
