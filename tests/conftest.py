@@ -7,6 +7,7 @@ exercised in tests/e2e.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if not torch.cuda.is_available():  # Triton kernels run on CPU in Triton's interpreter (before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 49152
 

@@ -1,0 +1,85 @@
+"""Torch reference of drafter attention with SharpDraft's query scale fused in (arXiv 2610.05106).
+
+This is the oracle the Triton kernel (plugins/triton_attention.py) is tested against, and the CPU fallback.
+
+    out[b, h, i] = softmax(beta(N_bi) * scale * q[b, h, i] . K_visible^T) V_visible
+
+- GQA: query head h reads kv head h // (heads / kv_heads).
+- Per-sequence key lengths ``kv_lens[b]`` (keys at index >= kv_lens[b] are padding).
+- ``causal=True`` (verify blocks, causal drafters): query i of a q_len block sees the first
+  kv_lens[b] - q_len + i + 1 keys. ``causal=False`` (DFlash blocks): every query sees all kv_lens[b] keys.
+- ``window`` (sliding-window layers): a query sees only its last ``window`` visible keys.
+- N_bi = number of keys query (b, i) sees (after causal and window), the visible-key count of design.md §1; beta
+  comes from :func:`plugins.rule.beta_torch`. Accumulation is fp32; the output has q's dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from plugins.rule import QueryScaleProfile, beta_torch
+
+
+def visible_keys(kv_lens: torch.Tensor, q_len: int, causal: bool, window: int | None = None) -> torch.Tensor:
+    """N per (batch, query row): int64 ``[batch, q_len]``.
+
+    Args:
+        kv_lens: int ``[batch]`` keys per sequence (>= q_len when causal).
+        q_len: queries per sequence (the block).
+        causal: rows see kv_len - q_len + i + 1 keys; else all kv_len keys.
+        window: optional sliding window; N = min(N, window).
+    """
+    kv = kv_lens.to(torch.int64)[:, None]
+    rows = torch.arange(q_len, device=kv.device)[None]
+    n = kv - q_len + rows + 1 if causal else kv.expand(-1, q_len)
+    if window is not None:
+        n = n.clamp(max=window)
+    return n
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,
+                  profile: QueryScaleProfile | None = None, causal: bool = False, window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
+    """Reference attention with the query scale.
+
+    Args:
+        q: ``[batch, heads, q_len, head_dim]`` (fp32/fp16/bf16; any strides).
+        k, v: ``[batch, kv_heads, kv_len_max, head_dim]``; heads % kv_heads == 0.
+        kv_lens: int ``[batch]`` valid keys per sequence; None = kv_len_max for all.
+        profile: the query-scale rule's constants; None = no scale (beta = 1).
+        causal, window: see the module docstring.
+        scale: softmax scale; None = head_dim ** -0.5.
+    Returns:
+        ``[batch, heads, q_len, head_dim]`` in q's dtype.
+    Raises:
+        ValueError: mismatched shapes, heads not a multiple of kv_heads, kv_lens out of range, or a causal block
+            longer than its keys.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [batch, heads, len, head_dim]")
+    b, h, q_len, d = q.shape
+    kvh, kv_max = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if h % kvh:
+        raise ValueError(f"heads {h} must be a multiple of kv_heads {kvh}")
+    if kv_lens is None:
+        kv_lens = torch.full((b,), kv_max, dtype=torch.int64)
+    kv_lens = kv_lens.to(torch.int64).cpu()
+    if (kv_lens < 1).any() or (kv_lens > kv_max).any() or (causal and (kv_lens < q_len).any()):
+        raise ValueError(f"kv_lens {kv_lens.tolist()} must be in [{q_len if causal else 1}, {kv_max}]")
+    scale = d ** -0.5 if scale is None else scale
+    n = visible_keys(kv_lens, q_len, causal, window)  # [b, q_len]
+    beta = beta_torch(n, profile) if profile is not None and profile.enabled else torch.ones_like(n, dtype=torch.float32)
+    qf = q.float() * (beta[:, None, :, None].float() * scale)
+    rep = h // kvh
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = qf @ kf.transpose(-1, -2)  # [b, h, q_len, kv_max]
+    j = torch.arange(kv_max)[None, None, :]
+    last = (kv_lens[:, None] - q_len + torch.arange(q_len)[None] + 1) if causal else kv_lens[:, None].expand(-1, q_len)
+    visible = j < last[:, :, None]  # [b, q_len, kv_max]
+    if window is not None:
+        visible &= j >= (last[:, :, None] - window)
+    scores = scores.masked_fill(~visible[:, None].to(scores.device), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf
+    return out.to(q.dtype)

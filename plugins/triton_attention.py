@@ -1,0 +1,168 @@
+"""Drafter attention with SharpDraft's query scale fused into an OpenAI Triton kernel (arXiv 2610.05106).
+
+One program computes a [BLOCK_M query rows x head_dim] tile of one (batch, head) with an online softmax over key
+tiles of BLOCK_N (flash-attention recurrence, fp32 accumulators). beta is computed **inside** the kernel per query
+row from that row's visible-key count N and the profile constants (no extra pass over Q):
+
+    N = causal ? kv_len - q_len + i + 1 : kv_len;   N = min(N, window) if window
+    beta = min(cap, 1 + ln(max((N - top_k) / (ref_keys - top_k), 1)) / slope)      (plugins/rule.py)
+
+and folded into the softmax scale of that row (scores = (q . k) * scale * beta), which equals scaling q.
+Semantics, shapes and dtypes match :func:`plugins.attention_ref.attention_ref`, the test oracle. Runs on GPUs, and
+on CPU under ``TRITON_INTERPRET=1`` (tests). Launch configuration lives in :data:`LAUNCH_TABLE`; a shape it cannot
+handle raises :class:`UnsupportedShape` (never silently does nothing).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from plugins.rule import QueryScaleProfile
+
+try:  # Triton is optional at import time: the torch reference covers machines without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+# (max head_dim, BLOCK_M, BLOCK_N, num_warps): first row whose head_dim bound fits wins.
+LAUNCH_TABLE = ((64, 16, 64, 4), (128, 16, 64, 4), (256, 16, 32, 8))
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class UnsupportedShape(ValueError):
+    """The fused kernel has no launch configuration for these inputs (use plugins.attention_ref instead)."""
+
+
+def launch_config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for ``head_dim`` from :data:`LAUNCH_TABLE`.
+
+    Raises:
+        UnsupportedShape: head_dim above every row of the table, or not a power of two >= 16.
+    """
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise UnsupportedShape(f"head_dim {head_dim} must be a power of two >= 16")
+    for max_d, bm, bn, warps in LAUNCH_TABLE:
+        if head_dim <= max_d:
+            return bm, bn, warps
+    raise UnsupportedShape(f"head_dim {head_dim} exceeds the launch table's {LAUNCH_TABLE[-1][0]}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_attention_kernel(
+            q_ptr, k_ptr, v_ptr, o_ptr, kv_lens_ptr,
+            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+            q_len, heads_per_kv, scale, ref_minus_topk, top_k, slope, cap, window,
+            ENABLED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        heads = tl.num_programs(1)  # placeholder to keep the signature simple (unused)
+        b = tl.program_id(2)
+        h = bh
+        kvh = h // heads_per_kv
+        kv_len = tl.load(kv_lens_ptr + b)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, HEAD_DIM)
+        row_ok = rows < q_len
+        q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        # visible keys per row: [first, last) with N = last - first
+        if CAUSAL:
+            last = kv_len - q_len + rows + 1
+        else:
+            last = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len
+        if HAS_WINDOW:
+            first = tl.maximum(last - window, 0)
+        else:
+            first = tl.zeros([BLOCK_M], dtype=tl.int32)
+        n = (last - first).to(tl.float32)
+        if ENABLED:  # beta(N) per row, from the rule's constants: no pass over Q
+            r = tl.maximum((n - top_k) / ref_minus_topk, 1.0)
+            beta = tl.minimum(1.0 + tl.log(r) / slope, cap)
+        else:
+            beta = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+        row_scale = beta * scale  # [BLOCK_M]
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        k_base = k_ptr + b * skb + kvh * skh
+        v_base = v_ptr + b * svb + kvh * svh
+        lo = tl.min(tl.where(row_ok, first, kv_len), axis=0)
+        hi = tl.max(tl.where(row_ok, last, 0), axis=0)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < hi
+            k = tl.load(k_base + cols[:, None] * skn + dims[None, :] * skd, mask=col_ok[:, None],
+                        other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * row_scale[:, None]  # [BLOCK_M, BLOCK_N], fp32
+            vis = (cols[None, :] >= first[:, None]) & (cols[None, :] < last[:, None]) & row_ok[:, None]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + cols[:, None] * svn + dims[None, :] * svd, mask=col_ok[:, None],
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod,
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,
+                    profile: QueryScaleProfile | None = None, causal: bool = False, window: int | None = None,
+                    scale: float | None = None) -> torch.Tensor:
+    """Attention with beta(N) fused in; same contract as :func:`plugins.attention_ref.attention_ref`.
+
+    Args:
+        q: ``[batch, heads, q_len, head_dim]`` fp32/fp16/bf16, any strides.
+        k, v: ``[batch, kv_heads, kv_len_max, head_dim]`` (any strides, may differ from each other).
+        kv_lens: int ``[batch]`` (on q's device); None = kv_len_max.
+        profile: rule constants; None or disabled = beta 1.
+        causal, window, scale: as in the reference.
+    Returns:
+        ``[batch, heads, q_len, head_dim]`` in q's dtype (contiguous).
+    Raises:
+        RuntimeError: Triton is not installed.
+        UnsupportedShape: dtype, head_dim, GQA ratio or lengths the kernel cannot handle.
+    """
+    if triton is None:
+        raise RuntimeError("OpenAI Triton is not installed; use plugins.attention_ref.attention_ref")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedShape(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: need one of {SUPPORTED_DTYPES}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise UnsupportedShape(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, h, q_len, d = q.shape
+    kvh, kv_max = k.shape[1], k.shape[2]
+    if h % kvh:
+        raise UnsupportedShape(f"heads {h} must be a multiple of kv_heads {kvh}")
+    block_m, block_n, warps = launch_config(d)
+    if kv_lens is None:
+        kv_lens = torch.full((b,), kv_max, dtype=torch.int32, device=q.device)
+    kv_lens = kv_lens.to(device=q.device, dtype=torch.int32)
+    lens = kv_lens.cpu()
+    if (lens < 1).any() or (lens > kv_max).any() or (causal and (lens < q_len).any()):
+        raise UnsupportedShape(f"kv_lens {lens.tolist()} must be in [{q_len if causal else 1}, {kv_max}]")
+    if window is not None and window < 1:
+        raise UnsupportedShape(f"window must be >= 1, got {window}")
+    on = profile is not None and profile.enabled
+    prof = profile or QueryScaleProfile(ref_keys=2048)
+    out = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(q_len, block_m), h, b)
+    _fused_attention_kernel[grid](
+        q, k, v, out, kv_lens, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        q_len, h // kvh, d ** -0.5 if scale is None else scale, float(prof.ref_keys - prof.top_k),
+        float(prof.top_k), float(prof.slope), float(prof.cap), int(window or 0),
+        ENABLED=on, CAUSAL=causal, HAS_WINDOW=window is not None, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps)
+    return out
+
+
+_ = math  # kept for readers comparing with the rule's math form

@@ -1,0 +1,117 @@
+"""The fused query-scale attention kernel (OpenAI Triton, under TRITON_INTERPRET=1 on CPU) against its torch
+reference, and the reference against the rule.
+
+Tolerances: fp32 inputs atol 2e-5 (measured ~5e-7: reassociation of the online softmax); fp16 / bf16 inputs
+compare against the reference run on the same rounded inputs, atol 2e-3 / 1.6e-2 (the output's own rounding:
+half an ulp at |out| <= 4 is 2e-3 in fp16, 1.6e-2 in bf16).
+"""
+import math
+
+import pytest
+import torch
+
+from plugins.attention_ref import attention_ref, visible_keys
+from plugins.rule import QueryScaleProfile
+
+triton_attention = pytest.importorskip("plugins.triton_attention")
+if triton_attention.triton is None:
+    pytest.skip("OpenAI Triton is not installed", allow_module_level=True)
+fused_attention, UnsupportedShape = triton_attention.fused_attention, triton_attention.UnsupportedShape
+
+PROF = QueryScaleProfile(ref_keys=64)
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _qkv(b, h, kvh, q_len, kv, d, dtype=torch.float32, seed=0, mag=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, h, q_len, d, generator=g) * mag).to(dtype)
+    k = (torch.randn(b, kvh, kv, d, generator=g) * mag).to(dtype)
+    v = torch.randn(b, kvh, kv, d, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("b, h, kvh, q_len, kv, d, causal, window", [
+    (1, 2, 2, 1, 1, 16, False, None),       # decode, one key
+    (2, 4, 2, 5, 97, 32, False, None),      # odd lengths, q_len != kv_len, GQA 2
+    (2, 6, 2, 8, 130, 64, True, None),      # verify block, GQA 3, causal with offset
+    (3, 4, 1, 7, 203, 64, True, 50),        # sliding window, MQA
+    (1, 2, 1, 16, 16, 128, True, None),     # q_len == kv_len (prefill-like), head_dim 128
+])
+def test_fused_matches_reference(b, h, kvh, q_len, kv, d, causal, window):
+    q, k, v = _qkv(b, h, kvh, q_len, kv, d)
+    lens = torch.tensor([kv - 3 * i for i in range(b)])  # per-sequence kv lengths in one batch
+    out = fused_attention(q, k, v, lens, PROF, causal, window)
+    ref = attention_ref(q, k, v, lens, PROF, causal, window)
+    assert (out - ref).abs().max().item() < ATOL[torch.float32]
+
+
+def test_non_contiguous_and_different_kv_layouts():
+    q, k, v = _qkv(2, 4, 2, 6, 90, 32)
+    q_nc = q.transpose(1, 2).contiguous().transpose(1, 2)  # [b, q_len, h, d] memory, viewed as [b, h, q_len, d]
+    k_nc = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # K stored [b, kv, kvh, d]
+    v_nc = torch.empty(2, 2, 32, 90).transpose(2, 3).copy_(v)  # V stored [b, kvh, d, kv]: another layout
+    assert not q_nc.is_contiguous() and not k_nc.is_contiguous() and not v_nc.is_contiguous()
+    out = fused_attention(q_nc, k_nc, v_nc, None, PROF, causal=True)
+    assert (out - attention_ref(q, k, v, None, PROF, causal=True)).abs().max().item() < ATOL[torch.float32]
+
+
+def test_rows_straddling_ref_keys_get_their_own_beta():
+    """A causal block whose rows see N = ref-4 .. ref+3 keys: the first rows are unscaled, the later ones not."""
+    q_len, kv = 8, 64 + 4
+    q, k, v = _qkv(1, 2, 2, q_len, kv, 32, mag=3.0)
+    n = visible_keys(torch.tensor([kv]), q_len, causal=True)[0]
+    assert n.tolist() == list(range(64 - 3, 64 + 5))
+    out = fused_attention(q, k, v, None, PROF, causal=True)
+    frozen = attention_ref(q, k, v, None, None, causal=True)
+    diff = (out - frozen).abs().amax(dim=(0, 1, 3))  # per query row
+    assert diff[:4].max().item() < ATOL[torch.float32]  # N <= ref_keys: beta == 1
+    assert diff[4:].min().item() > 1e-4  # N > ref_keys: beta > 1 changes the output
+    assert (out - attention_ref(q, k, v, None, PROF, causal=True)).abs().max().item() < ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    q, k, v = _qkv(2, 4, 2, 4, 150, 64, dtype=dtype)
+    out = fused_attention(q, k, v, None, PROF, causal=False)
+    assert out.dtype == dtype
+    ref = attention_ref(q, k, v, None, PROF, causal=False)  # same rounded inputs, fp32 math
+    assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
+
+
+def test_large_magnitude_at_cap_does_not_overflow_fp16():
+    """|q|, |k| ~ 60 in fp16 with N far above the cap's N (beta = e^0.5): scores ~ 1e4, no inf / NaN."""
+    prof = QueryScaleProfile(ref_keys=40, top_k=32)
+    kv = 600
+    assert prof.beta(kv) == pytest.approx(math.exp(0.5))
+    q, k, v = _qkv(1, 2, 1, 3, kv, 64, dtype=torch.float16, mag=60.0)
+    out = fused_attention(q, k, v, None, prof, causal=False)
+    assert torch.isfinite(out.float()).all()
+    ref = attention_ref(q, k, v, None, prof, causal=False)
+    assert (out.float() - ref.float()).abs().max().item() < ATOL[torch.float16]
+
+
+def test_disabled_profile_is_plain_attention():
+    q, k, v = _qkv(1, 2, 2, 4, 300, 32)
+    plain = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(32), dim=-1) @ v
+    out = fused_attention(q, k, v, None, QueryScaleProfile(ref_keys=64, enabled=False))
+    assert (out - plain).abs().max().item() < ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"d": 24}, "power of two"), ({"d": 512}, "launch table"), ({"kvh": 3}, "multiple"),
+    ({"lens": [2]}, "kv_lens"), ({"dtype": torch.float64}, "dtypes")])
+def test_unsupported_shapes_raise(kwargs, match):
+    d, kvh, dtype = kwargs.get("d", 32), kwargs.get("kvh", 2), kwargs.get("dtype", torch.float32)
+    q, k, v = _qkv(1, 4, kvh, 4, 40, d, dtype=dtype)
+    lens = torch.tensor(kwargs["lens"]) if "lens" in kwargs else None
+    with pytest.raises(UnsupportedShape, match=match):
+        fused_attention(q, k, v, lens, PROF, causal=True)
+
+
+def test_reference_beta_follows_the_rule():
+    """The reference's per-row scaling equals multiplying q by beta(N) from plugins/rule.py."""
+    q, k, v = _qkv(1, 1, 1, 2, 500, 16, mag=2.0)
+    out = attention_ref(q, k, v, None, PROF)
+    b = PROF.beta(500)
+    manual = torch.softmax((q * b) @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
+    assert (out - manual).abs().max().item() < 1e-5
