@@ -115,3 +115,32 @@ def test_reference_beta_follows_the_rule():
     b = PROF.beta(500)
     manual = torch.softmax((q * b) @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
     assert (out - manual).abs().max().item() < 1e-5
+
+
+def test_torch_library_op_cpu_reference_and_interpreted_kernel(monkeypatch):
+    from plugins import torch_op
+
+    q, k, v = _qkv(2, 4, 2, 5, 80, 32)
+    lens = torch.tensor([80, 71])
+    ref = attention_ref(q, k, v, lens, PROF, causal=True, window=40)
+    out = torch_op.attention(q, k, v, lens, PROF, causal=True, window=40)
+    assert (out - ref).abs().max().item() < 1e-6
+    monkeypatch.setenv("SHARPDRAFT_TRITON_CPU", "1")
+    out = torch_op.attention(q, k, v, lens, PROF, causal=True, window=40)
+    assert (out - ref).abs().max().item() < ATOL[torch.float32]
+
+
+def test_torch_library_op_opcheck_and_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from plugins import torch_op  # noqa: F401 - registers the op
+
+    q, k, v = _qkv(1, 4, 2, 3, 40, 16)
+    args = (q, k, v, torch.tensor([40]), 64, 32, 5.0, math.exp(0.5), True, False, 0, 0.0)
+    torch.library.opcheck(torch.ops.sharpdraft.query_scaled_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        out = torch.ops.sharpdraft.query_scaled_attention(fq, fk, fv, mode.from_tensor(torch.tensor([40])), 64, 32,
+                                                          5.0, 1.6, True, False, 0, 0.0)
+        assert tuple(out.shape) == (1, 4, 3, 16) and out.dtype == torch.float32
