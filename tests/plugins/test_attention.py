@@ -144,3 +144,21 @@ def test_torch_library_op_opcheck_and_fake_tensor_shapes():
         out = torch.ops.sharpdraft.query_scaled_attention(fq, fk, fv, mode.from_tensor(torch.tensor([40])), 64, 32,
                                                           5.0, 1.6, True, False, 0, 0.0)
         assert tuple(out.shape) == (1, 4, 3, 16) and out.dtype == torch.float32
+
+
+def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
+    """The GPU benchmark runs end to end (tiny shapes, CPU interpreter) and its three paths agree."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention_gpu.py"), "--device", "cpu",
+                        "--smoke", "--dtype", "fp32", "--json-out", str(out)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(row["max_abs_diff_vs_sdpa_mul"] < 1e-5 for row in rows)
