@@ -316,6 +316,22 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
     return app
 
 
+def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bool:
+    """Poll ``url + path`` until it answers 200; False after ``timeout_s`` seconds (scripts and tests that start a
+    server)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 @click.command()
 @click.option("--engine", "engine_dir", default="engines", type=click.Path(path_type=Path), show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)

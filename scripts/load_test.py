@@ -79,7 +79,7 @@ def _phase(engine, prompts, refs, target_refs, clients: int, max_running: int, d
     import uvicorn
 
     from runtime.async_engine import AsyncEngine
-    from runtime.serve import create_app
+    from runtime.serve import create_app, wait_healthy
 
     port = _free_port()
     app = create_app(AsyncEngine(engine, max_running=max_running, max_waiting=4 * clients), "load")
@@ -87,12 +87,8 @@ def _phase(engine, prompts, refs, target_refs, clients: int, max_running: int, d
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    if not wait_healthy(url, 60):
+        raise click.ClickException(f"the server on {url} did not come up")
     rows: list[dict] = []
     start = time.perf_counter()
     deadline = start + duration

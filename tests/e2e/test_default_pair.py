@@ -8,13 +8,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import torch
 
 from runtime.engine import SpecEngine
+from runtime.serve import wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -95,13 +95,7 @@ def test_serve_answers_completions(real_engines, engine):
                              "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
+        if not wait_healthy(url, 120):
             pytest.fail("server did not come up: " + proc.stdout.read1(20000).decode())
         prompt = "The capital of France is"
         r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0},

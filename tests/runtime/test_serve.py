@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from runtime.async_engine import AsyncEngine, QueueFull
 from runtime.engine import SpecEngine
 from runtime.sampling import SamplingParams
-from runtime.serve import create_app
+from runtime.serve import create_app, wait_healthy
 
 GREEDY = {"temperature": 0}
 
@@ -302,12 +302,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine):
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        assert wait_healthy(url, 30)
         with httpx.stream("POST", url + "/v1/completions", timeout=30,
                           json={"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, **GREEDY}) as r:
             for line in r.iter_lines():
