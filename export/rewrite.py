@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 PROFILE_METADATA_KEY = "sharpdraft.query_scale"
 RULES = (DecomposedAttentionQueryScale(), OnnxAttentionQueryScale(), GroupQueryAttentionQueryScale())
+RULES_BY_NAME = {rule.name: rule for rule in RULES}
 
 
 class QueryScaleRewriteError(RuntimeError):
@@ -132,16 +133,15 @@ def _collect(graph: ir.Graph) -> _Collected:
 
 
 def _rewrite(graph: ir.Graph, todo: list[AttentionMatch], profile: QueryScaleProfile, counts: dict[str, int]) -> None:
-    rules = {rule.name: rule for rule in RULES}
     names = NameTable(graph)
     for g, group in enumerate(_group(graph, todo)):
         source = group[0]
         beta_builder = SubgraphBuilder(graph, names, f"beta{g}")
-        num_keys = rules[source.rule].num_keys(source, beta_builder)
+        num_keys = RULES_BY_NAME[source.rule].num_keys(source, beta_builder)
         shared = SharedBeta(beta_builder, beta_from_num_keys(beta_builder, num_keys, profile))
         for match in group:
             site_builder = SubgraphBuilder(graph, names, f"beta{g}/site")
-            rules[match.rule].rewrite(match, shared, site_builder)
+            RULES_BY_NAME[match.rule].rewrite(match, shared, site_builder)
             site_builder.insert_before(match.anchor)
             counts[match.rule] += 1
         beta_builder.insert_before(source.anchor)  # graph.sort() afterwards puts everything in order
@@ -160,7 +160,6 @@ def _rewrite_from_key_mask(graph: ir.Graph, todo: list[AttentionMatch], profile:
     ranks = {len(m.query.shape) if m.query.shape is not None else None for m in todo}
     if None in ranks:
         raise QueryScaleRewriteError("a query's rank is unknown: cannot shape the per-row N from the key mask")
-    rules = {rule.name: rule for rule in RULES}
     names = NameTable(graph)
     first = next(iter(graph))
     builder = SubgraphBuilder(graph, names, "beta_rows")
@@ -185,7 +184,7 @@ def _rewrite_from_key_mask(graph: ir.Graph, todo: list[AttentionMatch], profile:
         shared_by_rank[rank] = SharedBeta(builder, beta)
     for match in todo:
         site_builder = SubgraphBuilder(graph, names, "beta_rows/site")
-        rules[match.rule].rewrite(match, shared_by_rank[len(match.query.shape)], site_builder)
+        RULES_BY_NAME[match.rule].rewrite(match, shared_by_rank[len(match.query.shape)], site_builder)
         site_builder.insert_before(match.anchor)
         counts[match.rule] += 1
     builder.insert_before(first)

@@ -14,8 +14,6 @@ handle raises :class:`UnsupportedShape` (never silently does nothing).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from plugins.rule import QueryScaleProfile
@@ -60,10 +58,8 @@ if triton is not None:
             ENABLED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        heads = tl.num_programs(1)  # placeholder to keep the signature simple (unused)
+        h = tl.program_id(1)
         b = tl.program_id(2)
-        h = bh
         kvh = h // heads_per_kv
         kv_len = tl.load(kv_lens_ptr + b)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,5 +160,3 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: 
         num_warps=warps)
     return out
 
-
-_ = math  # kept for readers comparing with the rule's math form
