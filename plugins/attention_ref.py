@@ -8,9 +8,12 @@ This is the oracle the Triton kernel (plugins/triton_attention.py) is tested aga
 - Per-sequence key lengths ``kv_lens[b]`` (keys at index >= kv_lens[b] are padding).
 - ``causal=True`` (verify blocks, causal drafters): query i of a q_len block sees the first
   kv_lens[b] - q_len + i + 1 keys. ``causal=False`` (DFlash blocks): every query sees all kv_lens[b] keys.
-- ``window`` (sliding-window layers): a query sees only its last ``window`` visible keys.
-- N_bi = number of keys query (b, i) sees (after causal and window), the visible-key count of design.md §1; beta
-  comes from :func:`plugins.rule.beta_torch`. Accumulation is fp32; the output has q's dtype.
+- ``window`` (sliding-window layers): a query sees only the last ``window`` key positions of its causal range.
+- ``key_mask`` ``[batch, kv_len_max]`` (optional; 0 = hidden): keys hidden per sequence on top of the above, e.g.
+  the padding holes of a ragged batch whose rows were right-padded piecewise (DFlash: past | context | block).
+- N_bi = number of keys query (b, i) sees (after lengths, causal, window and key_mask), the visible-key count of
+  design.md §1; beta comes from :func:`plugins.rule.beta_torch`. A row that sees no key outputs zeros.
+  Accumulation is fp32; the output has q's dtype.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def visible_keys(kv_lens: torch.Tensor, q_len: int, causal: bool, window: int | 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,
                   profile: QueryScaleProfile | None = None, causal: bool = False, window: int | None = None,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reference attention with the query scale.
 
     Args:
@@ -48,11 +51,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: to
         profile: the query-scale rule's constants; None = no scale (beta = 1).
         causal, window: see the module docstring.
         scale: softmax scale; None = head_dim ** -0.5.
+        key_mask: optional bool/int ``[batch, kv_len_max]``, nonzero = visible (see the module docstring).
     Returns:
         ``[batch, heads, q_len, head_dim]`` in q's dtype.
     Raises:
-        ValueError: mismatched shapes, heads not a multiple of kv_heads, kv_lens out of range, or a causal block
-            longer than its keys.
+        ValueError: mismatched shapes (key_mask included), heads not a multiple of kv_heads, kv_lens out of range,
+            or a causal block longer than its keys.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [batch, heads, len, head_dim]")
@@ -67,19 +71,24 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: to
     kv_lens = kv_lens.to(torch.int64).cpu()
     if (kv_lens < 1).any() or (kv_lens > kv_max).any() or (causal and (kv_lens < q_len).any()):
         raise ValueError(f"kv_lens {kv_lens.tolist()} must be in [{q_len if causal else 1}, {kv_max}]")
+    if key_mask is not None and tuple(key_mask.shape) != (b, kv_max):
+        raise ValueError(f"key_mask {tuple(key_mask.shape)} must be [batch, kv_len_max] = {(b, kv_max)}")
     scale = d ** -0.5 if scale is None else scale
-    n = visible_keys(kv_lens, q_len, causal, window)  # [b, q_len]
-    beta = beta_torch(n, profile) if profile is not None and profile.enabled else torch.ones_like(n, dtype=torch.float32)
-    qf = q.float() * (beta[:, None, :, None].float() * scale)
-    rep = h // kvh
-    kf = k.float().repeat_interleave(rep, dim=1)
-    vf = v.float().repeat_interleave(rep, dim=1)
-    scores = qf @ kf.transpose(-1, -2)  # [b, h, q_len, kv_max]
     j = torch.arange(kv_max)[None, None, :]
     last = (kv_lens[:, None] - q_len + torch.arange(q_len)[None] + 1) if causal else kv_lens[:, None].expand(-1, q_len)
     visible = j < last[:, :, None]  # [b, q_len, kv_max]
     if window is not None:
         visible &= j >= (last[:, :, None] - window)
-    scores = scores.masked_fill(~visible[:, None].to(scores.device), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vf
-    return out.to(q.dtype)
+    if key_mask is not None:
+        visible &= key_mask.cpu().bool()[:, None, :]
+    n = visible.sum(-1)  # [b, q_len]: N per query row
+    beta = beta_torch(n, profile) if profile is not None and profile.enabled else torch.ones_like(n, dtype=torch.float32)
+    qf = q.float() * (beta[:, None, :, None].float().to(q.device) * scale)
+    rep = h // kvh
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = qf @ kf.transpose(-1, -2)  # [b, h, q_len, kv_max]
+    vis = visible[:, None].to(scores.device)
+    scores = scores.masked_fill(~vis, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).masked_fill(~vis, 0.0)  # rows that see no key: zeros, not NaN
+    return (probs @ vf).to(q.dtype)

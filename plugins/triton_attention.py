@@ -48,26 +48,37 @@ def launch_config(head_dim: int) -> tuple[int, int, int]:
     raise UnsupportedShape(f"head_dim {head_dim} exceeds the launch table's {LAUNCH_TABLE[-1][0]}")
 
 
+# Argument order of the kernel (shared with the TensorRT AOT plugin, plugins/tensorrt_plugin.py, which passes
+# the tensors in this order and the integers as its extra arguments): pointers, then int32 scalars.
+POINTER_ARGS = ("q_ptr", "k_ptr", "v_ptr", "kv_lens_ptr", "mask_ptr", "o_ptr")
+INT_ARGS = ("sqb", "sqh", "sqm", "sqd", "skb", "skh", "skn", "skd", "svb", "svh", "svn", "svd", "smb", "smn",
+            "sob", "soh", "som", "sod", "q_len", "heads_per_kv", "window")
+# Compile-time constants: the profile's constants and the softmax scale are fixed per model, so they are baked in
+# (one compile per profile), which also lets an AOT-compiled kernel take only integer extra arguments.
+CONSTEXPR_ARGS = ("SCALE", "REF_MINUS_TOPK", "TOP_K", "SLOPE", "CAP", "ENABLED", "CAUSAL", "HAS_WINDOW", "HAS_MASK",
+                  "HEAD_DIM", "BLOCK_M", "BLOCK_N")
+
 if triton is not None:
 
     @triton.jit
     def _fused_attention_kernel(
-            q_ptr, k_ptr, v_ptr, o_ptr, kv_lens_ptr,
-            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-            q_len, heads_per_kv, scale, ref_minus_topk, top_k, slope, cap, window,
-            ENABLED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            q_ptr, k_ptr, v_ptr, kv_lens_ptr, mask_ptr, o_ptr,
+            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod,
+            q_len, heads_per_kv, window,
+            SCALE: tl.constexpr, REF_MINUS_TOPK: tl.constexpr, TOP_K: tl.constexpr, SLOPE: tl.constexpr,
+            CAP: tl.constexpr, ENABLED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2)
-        kvh = h // heads_per_kv
+        b = tl.program_id(2).to(tl.int64)  # int64 base offsets: batch * stride overflows int32 at 64k keys
+        kvh = (h // heads_per_kv).to(tl.int64)
         kv_len = tl.load(kv_lens_ptr + b)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, HEAD_DIM)
         row_ok = rows < q_len
-        q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        q = tl.load(q_ptr + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
-        # visible keys per row: [first, last) with N = last - first
+        # key positions per row: [first, last)
         if CAUSAL:
             last = kv_len - q_len + rows + 1
         else:
@@ -76,20 +87,30 @@ if triton is not None:
             first = tl.maximum(last - window, 0)
         else:
             first = tl.zeros([BLOCK_M], dtype=tl.int32)
-        n = (last - first).to(tl.float32)
+        lo = tl.min(tl.where(row_ok, first, kv_len), axis=0)
+        hi = tl.max(tl.where(row_ok, last, 0), axis=0)
+        m_base = mask_ptr + b * smb
+        if HAS_MASK:  # N = visible keys in [first, last): one pass over the int32 mask row (not over Q or K)
+            cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for start in range(lo, hi, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                keep = tl.load(m_base + cols * smn, mask=cols < hi, other=0) != 0
+                vis = (cols[None, :] >= first[:, None]) & (cols[None, :] < last[:, None]) & keep[None, :]
+                cnt += tl.sum(vis.to(tl.int32), axis=1)
+            n = cnt.to(tl.float32)
+        else:
+            n = (last - first).to(tl.float32)
         if ENABLED:  # beta(N) per row, from the rule's constants: no pass over Q
-            r = tl.maximum((n - top_k) / ref_minus_topk, 1.0)
-            beta = tl.minimum(1.0 + tl.log(r) / slope, cap)
+            r = tl.maximum((n - TOP_K) / REF_MINUS_TOPK, 1.0)
+            beta = tl.minimum(1.0 + tl.log(r) / SLOPE, CAP)
         else:
             beta = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-        row_scale = beta * scale  # [BLOCK_M]
+        row_scale = beta * SCALE  # [BLOCK_M]
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         k_base = k_ptr + b * skb + kvh * skh
         v_base = v_ptr + b * svb + kvh * svh
-        lo = tl.min(tl.where(row_ok, first, kv_len), axis=0)
-        hi = tl.max(tl.where(row_ok, last, 0), axis=0)
         for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < hi
@@ -97,6 +118,9 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * row_scale[:, None]  # [BLOCK_M, BLOCK_N], fp32
             vis = (cols[None, :] >= first[:, None]) & (cols[None, :] < last[:, None]) & row_ok[:, None]
+            if HAS_MASK:
+                keep = tl.load(m_base + cols * smn, mask=col_ok, other=0) != 0
+                vis = vis & keep[None, :]
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -107,14 +131,30 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptr + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod,
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees no key: zeros
+        tl.store(o_ptr + b * sob + h.to(tl.int64) * soh + rows[:, None] * som + dims[None, :] * sod,
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def kernel_constants(head_dim: int, profile: QueryScaleProfile | None, causal: bool, window: int | None,
+                     has_mask: bool, scale: float | None) -> dict:
+    """The kernel's constexpr arguments (:data:`CONSTEXPR_ARGS`) for one configuration.
+
+    Raises:
+        UnsupportedShape: see :func:`launch_config`.
+    """
+    block_m, block_n, _ = launch_config(head_dim)
+    on = profile is not None and profile.enabled
+    prof = profile or QueryScaleProfile(ref_keys=2048)
+    return dict(SCALE=float(head_dim ** -0.5 if scale is None else scale),
+                REF_MINUS_TOPK=float(prof.ref_keys - prof.top_k), TOP_K=float(prof.top_k), SLOPE=float(prof.slope),
+                CAP=float(prof.cap), ENABLED=on, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
+                HAS_MASK=bool(has_mask), HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,
                     profile: QueryScaleProfile | None = None, causal: bool = False, window: int | None = None,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with beta(N) fused in; same contract as :func:`plugins.attention_ref.attention_ref`.
 
     Args:
@@ -123,6 +163,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: 
         kv_lens: int ``[batch]`` (on q's device); None = kv_len_max.
         profile: rule constants; None or disabled = beta 1.
         causal, window, scale: as in the reference.
+        key_mask: optional bool/int ``[batch, kv_len_max]`` (nonzero = visible), as in the reference; N counts
+            only visible keys (one extra pass over this int32 row, none over Q or K).
     Returns:
         ``[batch, heads, q_len, head_dim]`` in q's dtype (contiguous).
     Raises:
@@ -148,15 +190,15 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: 
         raise UnsupportedShape(f"kv_lens {lens.tolist()} must be in [{q_len if causal else 1}, {kv_max}]")
     if window is not None and window < 1:
         raise UnsupportedShape(f"window must be >= 1, got {window}")
-    on = profile is not None and profile.enabled
-    prof = profile or QueryScaleProfile(ref_keys=2048)
+    if key_mask is not None and tuple(key_mask.shape) != (b, kv_max):
+        raise UnsupportedShape(f"key_mask {tuple(key_mask.shape)} must be [batch, kv_len_max] = {(b, kv_max)}")
+    const = kernel_constants(d, profile, causal, window, key_mask is not None, scale)
+    mask = (key_mask.to(device=q.device, dtype=torch.int32) if key_mask is not None
+            else kv_lens)  # unread when HAS_MASK is off (any valid pointer)
     out = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(q_len, block_m), h, b)
+    mstrides = mask.stride() if key_mask is not None else (0, 0)
     _fused_attention_kernel[grid](
-        q, k, v, out, kv_lens, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        q_len, h // kvh, d ** -0.5 if scale is None else scale, float(prof.ref_keys - prof.top_k),
-        float(prof.top_k), float(prof.slope), float(prof.cap), int(window or 0),
-        ENABLED=on, CAUSAL=causal, HAS_WINDOW=window is not None, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps)
+        q, k, v, kv_lens, mask, out, *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
+        q_len, h // kvh, int(window or 0), **const, num_warps=warps)
     return out
-

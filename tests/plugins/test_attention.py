@@ -136,12 +136,12 @@ def test_torch_library_op_opcheck_and_fake_tensor_shapes():
     from plugins import torch_op  # noqa: F401 - registers the op
 
     q, k, v = _qkv(1, 4, 2, 3, 40, 16)
-    args = (q, k, v, torch.tensor([40]), 64, 32, 5.0, math.exp(0.5), True, False, 0, 0.0)
+    args = (q, k, v, torch.tensor([40]), None, 64, 32, 5.0, math.exp(0.5), True, False, 0, 0.0)
     torch.library.opcheck(torch.ops.sharpdraft.query_scaled_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        out = torch.ops.sharpdraft.query_scaled_attention(fq, fk, fv, mode.from_tensor(torch.tensor([40])), 64, 32,
+        out = torch.ops.sharpdraft.query_scaled_attention(fq, fk, fv, mode.from_tensor(torch.tensor([40])), None, 64, 32,
                                                           5.0, 1.6, True, False, 0, 0.0)
         assert tuple(out.shape) == (1, 4, 3, 16) and out.dtype == torch.float32
 
@@ -162,3 +162,34 @@ def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 and all(row["max_abs_diff_vs_sdpa_mul"] < 1e-5 for row in rows)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 30)])
+def test_key_mask_holes_count_only_visible_keys(causal, window):
+    """A ragged batch right-padded piecewise (past | context | block): holes in the key mask are hidden and N counts
+    only visible keys, so a row with holes equals the same row with the holes cut out."""
+    prof = QueryScaleProfile(ref_keys=40)
+    q, k, v = _qkv(2, 4, 2, 6, 120, 32, mag=2.0)
+    mask = torch.ones(2, 120, dtype=torch.bool)
+    mask[1, 50:83] = False  # a 33-key hole inside row 1
+    lens = torch.tensor([120, 110])
+    out = fused_attention(q, k, v, lens, prof, causal, window, key_mask=mask)
+    ref = attention_ref(q, k, v, lens, prof, causal, window, key_mask=mask)
+    assert (out - ref).abs().max().item() < ATOL[torch.float32]
+    keep = mask[1, :110]
+    solo = attention_ref(q[1:], k[1:, :, :110][:, :, keep], v[1:, :, :110][:, :, keep], None, prof, causal,
+                         window=None)
+    if window is None:  # the window is positional, so with a window the compacted row differs (by design)
+        assert (out[1:] - solo).abs().max().item() < ATOL[torch.float32]
+    beta_row1 = prof.beta(110 - 33)  # N of row 1 without window, non-causal
+    assert causal or beta_row1 > 1.0
+
+
+def test_row_that_sees_no_key_outputs_zeros():
+    q, k, v = _qkv(2, 2, 2, 3, 40, 16)
+    mask = torch.ones(2, 40, dtype=torch.int32)
+    mask[0] = 0
+    out = fused_attention(q, k, v, None, PROF, key_mask=mask)
+    ref = attention_ref(q, k, v, None, PROF, key_mask=mask)
+    assert torch.isfinite(ref).all() and out[0].abs().max().item() == 0.0 and ref[0].abs().max().item() == 0.0
+    assert (out - ref).abs().max().item() < ATOL[torch.float32]
