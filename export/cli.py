@@ -22,14 +22,18 @@ from export.rewrite import QueryScaleRewriteError
 @click.option("--ref-keys", type=int, default=None, help="override ref_keys of the query-scale profile")
 @click.option("--slope", type=float, default=None, help="override slope of the query-scale profile")
 @click.option("--no-query-scale", is_flag=True, help="export the frozen drafter (beta = 1), the baseline")
+@click.option("--fused-attention", is_flag=True,
+              help="also write drafter_fused/model.onnx with attention + beta as one sharpdraft::QueryScaledAttention "
+                   "node per layer (TensorRT plugin form, plugins/tensorrt_plugin.py), validated against model.onnx")
 @click.option("-v", "--verbose", is_flag=True)
-def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, verbose):
+def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, fused_attention, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
-                           slope=slope, query_scale=not no_query_scale)
+                           slope=slope, query_scale=not no_query_scale,
+                           fused_attention=fused_attention)
         manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
         click.echo(f"sharpdraft-export: error: {e}", err=True)

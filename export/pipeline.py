@@ -41,6 +41,7 @@ class ExportConfig:
     slope: float | None = None
     query_scale: bool = True
     overwrite: bool = True
+    fused_attention: bool = False  # also write drafter_fused/model.onnx (sharpdraft::QueryScaledAttention nodes)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -209,16 +210,44 @@ def run_export(cfg: ExportConfig) -> dict:
         validation = {"target": validate_target(target, taps, tmp / "target" / "model.onnx", target_io),
                       "drafter": validate_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile,
                                                   embed, lm_head)}
+        graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
+                  "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
+        if cfg.fused_attention:
+            graphs["drafter_fused"] = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config,
+                                                     profile, embed, lm_head, validation)
         tok.save_pretrained(tmp / "tokenizer")
         manifest = _manifest(cfg, ckpt, drafter, target, tok, profile, profile_source, counts, shared,
-                             validation, {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
-                                          "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)})
+                             validation, graphs)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _replace_dir(tmp, cfg.out)
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, embed, lm_head,
+                   validation: dict) -> dict:
+    """Write and validate ``drafter_fused/model.onnx`` (TensorRT form; the ORT runtime keeps ``model.onnx``)."""
+    from export.fuse import PLUGIN_NAME, FusionError, fuse_file
+    from export.validate import validate_fused_drafter
+
+    path = tmp / "drafter_fused" / "model.onnx"
+    try:
+        n = fuse_file(frozen, path, profile)
+    except FusionError as e:
+        raise ExportError(f"--fused-attention: {e}") from e
+    io = {"inputs": [i for i in drafter_io["inputs"] if i != "query_scale_enabled"], "outputs": drafter_io["outputs"]}
+    try:
+        validation["drafter_fused"] = validate_fused_drafter(path, tmp / "drafter" / "model.onnx", drafter_io, dcfg,
+                                                             profile, embed.numpy(), lm_head.numpy())
+    except ImportError as e:
+        raise ExportError(f"--fused-attention validation needs onnxruntime-extensions ({e}); "
+                          "pip install onnxruntime-extensions") from e
+    entry = _graph_entry(tmp, path, io)
+    entry.update(fused_op=PLUGIN_NAME, fused_attentions=n,
+                 note="for TensorRT (plugins/tensorrt_plugin.py); the sharpdraft runtime runs drafter/model.onnx")
+    return entry
 
 
 def _replace_dir(new: Path, out: Path) -> None:
