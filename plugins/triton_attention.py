@@ -48,11 +48,12 @@ def launch_config(head_dim: int) -> tuple[int, int, int]:
     raise UnsupportedShape(f"head_dim {head_dim} exceeds the launch table's {LAUNCH_TABLE[-1][0]}")
 
 
-# Argument order of the kernel (shared with the TensorRT AOT plugin, plugins/tensorrt_plugin.py, which passes
-# the tensors in this order and the integers as its extra arguments): pointers, then int32 scalars.
-POINTER_ARGS = ("q_ptr", "k_ptr", "v_ptr", "kv_lens_ptr", "mask_ptr", "o_ptr")
+# Argument order of the kernel: input pointers, int32 scalars, output pointer. This is the order a TensorRT
+# ahead-of-time plugin launches with (inputs, its extra integer arguments, outputs; plugins/tensorrt_plugin.py).
+INPUT_ARGS = ("q_ptr", "k_ptr", "v_ptr", "kv_lens_ptr", "mask_ptr")
 INT_ARGS = ("sqb", "sqh", "sqm", "sqd", "skb", "skh", "skn", "skd", "svb", "svh", "svn", "svd", "smb", "smn",
             "sob", "soh", "som", "sod", "q_len", "heads_per_kv", "window")
+OUTPUT_ARGS = ("o_ptr",)
 # Compile-time constants: the profile's constants and the softmax scale are fixed per model, so they are baked in
 # (one compile per profile), which also lets an AOT-compiled kernel take only integer extra arguments.
 CONSTEXPR_ARGS = ("SCALE", "REF_MINUS_TOPK", "TOP_K", "SLOPE", "CAP", "ENABLED", "CAUSAL", "HAS_WINDOW", "HAS_MASK",
@@ -62,9 +63,10 @@ if triton is not None:
 
     @triton.jit
     def _fused_attention_kernel(
-            q_ptr, k_ptr, v_ptr, kv_lens_ptr, mask_ptr, o_ptr,
+            q_ptr, k_ptr, v_ptr, kv_lens_ptr, mask_ptr,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod,
             q_len, heads_per_kv, window,
+            o_ptr,
             SCALE: tl.constexpr, REF_MINUS_TOPK: tl.constexpr, TOP_K: tl.constexpr, SLOPE: tl.constexpr,
             CAP: tl.constexpr, ENABLED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
             HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -199,6 +201,6 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: 
     grid = (triton.cdiv(q_len, block_m), h, b)
     mstrides = mask.stride() if key_mask is not None else (0, 0)
     _fused_attention_kernel[grid](
-        q, k, v, kv_lens, mask, out, *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
-        q_len, h // kvh, int(window or 0), **const, num_warps=warps)
+        q, k, v, kv_lens, mask, *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
+        q_len, h // kvh, int(window or 0), out, **const, num_warps=warps)
     return out
