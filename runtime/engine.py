@@ -1,8 +1,9 @@
-"""The lossless draft -> verify -> commit loop over a ragged batch of sequences (DFlash family).
+"""The lossless draft -> verify -> commit loop over a ragged batch of sequences (DFlash and PARD drafters).
 
 One round of a sequence at committed length s (tokens whose K/V are in the target cache) with pending bonus x_s:
-  1. draft: the drafter sees the target features of positions it has not cached yet and the block
-     [x_s, MASK x (B-1)] at positions s .. s+B-1, and returns logits for k <= B-1 draft slots; the draft tokens
+  1. draft: the drafter sees what it has not cached yet (DFlash: the target features of those positions; PARD:
+     their token ids) and the block [x_s, MASK x (K-1)] from position s, and returns logits for k <= K draft
+     slots (DFlash: K = B-1 slots after x_s; PARD: K rows ending the block); the draft tokens
      d_1..d_k are drawn from them (runtime/sampling.py: argmax for greedy rows, q for sampled rows);
   2. verify: the target runs [x_s, d_1 .. d_k] in one pass;
   3. accept a tokens (greedy: longest prefix equal to the target's argmax; sampled: rejection sampling) and emit
@@ -16,15 +17,18 @@ over rows of different lengths and different draft counts; a row that finishes l
 dropped at once. Rows whose next block would pass the drafter's max positions (or that asked for no speculation)
 decode target-only in the same batched call (k = 0), still exact.
 
-Backends (duck-typed, see runtime/ort_engines.py and tests/runtime/scripted.py):
+Backends (duck-typed, see runtime/ort_engines.py, runtime/torch_engines.py and tests/runtime/scripted.py):
   target:  vocab_size, max_positions, new_cache(), forward(caches, tokens) -> (logits [b, q, V], feats [b, q, F])
   drafter: vocab_size, num_draft_tokens, max_positions, verification, new_cache(), can_draft(committed),
-           draft(caches, bonus_tokens, contexts[, query_scale=[bool per row]]) -> logits [b, K, V_drafter]
+           draft(caches, bonus_tokens, contexts[, query_scale=[bool per row]]) -> logits [b, K, V_drafter];
+           optional ``context = "tokens"``: contexts are each row's committed token ids before x_s (PARD) instead
+           of target features
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -108,19 +112,47 @@ class SpecEngine:
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str = "auto", threads: int | None = None,
-                 check_invariants: bool = False, verify_checksums: bool = True) -> "SpecEngine":
+                 check_invariants: bool = False, verify_checksums: bool = True,
+                 backend: str = "onnxruntime") -> "SpecEngine":
         """Load an engines/ folder (runtime/manifest.py checks schema, files and checksums).
 
+        ``backend``: "onnxruntime" runs the folder's ONNX graphs; "torch" rebuilds the pair in PyTorch from the
+        sources the manifest recorded (target, drafter checkpoint, taps, query-scale profile; the drafter's
+        attention on the fused op, runtime/torch_engines.py) and uses the folder's tokenizer. The torch backend
+        does not read the graphs, so it skips their checksums; ``threads`` (or ``$SHARPDRAFT_THREADS``) sets
+        torch's process-wide intra-op threads.
+
         Raises:
-            EngineDirError: the folder is missing, incomplete or does not match its manifest.
+            EngineDirError: the folder is missing, incomplete or does not match its manifest; torch backend: a
+                recorded source is missing or does not match.
+            ValueError: an unknown backend.
         """
         from runtime.manifest import load_manifest
-        from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
 
+        if backend not in ("onnxruntime", "torch"):
+            raise ValueError(f"backend must be 'onnxruntime' or 'torch', got {backend!r}")
         engine_dir = Path(engine_dir)
-        manifest = load_manifest(engine_dir, verify_checksums=verify_checksums)
-        target = OrtTarget(engine_dir, manifest, device, threads)
-        drafter = OrtDFlashDrafter(engine_dir, manifest, device, threads)
+        manifest = load_manifest(engine_dir, verify_checksums=verify_checksums and backend == "onnxruntime")
+        if backend == "torch":
+            from runtime.torch_engines import torch_pair_from_manifest
+
+            threads = threads or int(os.environ.get("SHARPDRAFT_THREADS", 0))
+            if threads:  # process-wide: torch has one intra-op pool
+                import torch
+
+                torch.set_num_threads(threads)
+            target, drafter = torch_pair_from_manifest(manifest, device, base_dir=engine_dir)
+        else:
+            from runtime.ort_engines import OrtDFlashDrafter, OrtPardDrafter, OrtTarget
+
+            target = OrtTarget(engine_dir, manifest, device, threads)
+            family = manifest["drafter"].get("family", "dflash")
+            drafter_cls = {"dflash": OrtDFlashDrafter, "pard": OrtPardDrafter}.get(family)
+            if drafter_cls is None:
+                from runtime.manifest import EngineDirError
+
+                raise EngineDirError(f"{engine_dir}: drafter family {family!r} is not supported by this runtime")
+            drafter = drafter_cls(engine_dir, manifest, device, threads)
         return cls(target, drafter, eos_token_ids=manifest["tokenizer"]["eos_token_ids"],
                    check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir,
                    proposable_vocab=manifest["tokenizer"]["vocab_size"])
@@ -242,7 +274,11 @@ class SpecEngine:
         qs: list[np.ndarray | None] = [None] * len(seqs)
         if drafting:
             rows = [seqs[i] for i in drafting]
-            args = ([s.drafter_cache for s in rows], [s.out[-1] for s in rows], [s.pending_ctx for s in rows])
+            if getattr(self.drafter, "context", "target_features") == "tokens":  # PARD: committed token ids
+                contexts = [np.asarray(s.prompt_ids + s.out[:-1], np.int64) for s in rows]
+            else:  # DFlash: target features of the positions the drafter has not cached
+                contexts = [s.pending_ctx for s in rows]
+            args = ([s.drafter_cache for s in rows], [s.out[-1] for s in rows], contexts)
             if all(s.params.query_scale for s in rows):
                 logits = self.drafter.draft(*args)
             else:

@@ -23,23 +23,25 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 @click.option("--raw", is_flag=True, help="use the prompt as plain text (default: the tokenizer's chat template)")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(["onnxruntime", "torch"]),
+              help="torch: rebuild the pair from the manifest's sources in PyTorch (drafter on the fused op)")
 @click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(min=0),
               help="also run a sampled speculative generation at this temperature (0: skip)")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=-1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="also write the figures as JSON")
-def main(engine_dir, prompt, raw, max_new_tokens, device, temperature, top_p, top_k, seed, json_out):
+def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, json_out):
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
     from runtime.sampling import SamplingParams
 
     try:
-        engine = SpecEngine.from_dir(engine_dir, device=device)
+        engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
         tok = engine.tokenizer
         ids = tok.encode(prompt) if raw else tok.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
-        engine.generate(ids[:8] or [0], 4)  # warm-up: first ORT runs allocate
+        engine.generate(ids[:8] or [0], 4)  # warm-up: first runs allocate
         base = engine.generate_target_only(ids, max_new_tokens)
         spec = engine.generate(ids, max_new_tokens)
         sampled = None
@@ -55,7 +57,8 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, temperature, top_p, to
     click.echo(f"--- prompt ({len(ids)} tokens) ---\n{prompt}\n--- completion ({len(spec.token_ids)} tokens, "
                f"finish_reason={spec.finish_reason}) ---\n{text}\n---")
     qs = engine.manifest["query_scale"]
-    click.echo(f"drafter: {engine.manifest['drafter']['family']} block {engine.drafter.block_size}, query scale "
+    click.echo(f"backend: {backend}; drafter: {engine.manifest['drafter']['family']} block "
+               f"{engine.drafter.block_size}, query scale "
                f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']})")
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "
                f"draft position: {[round(a, 2) for a in s.acceptance_per_position]}")

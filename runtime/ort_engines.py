@@ -240,3 +240,85 @@ class OrtDFlashDrafter(_Graph):
 def _shared_tensor(target_graph: Path, spec: dict) -> np.ndarray:
     w = read_initializer(target_graph, spec["initializer"])
     return np.ascontiguousarray(w.T) if spec.get("transpose") else w
+
+
+class OrtPardDrafter(_Graph):
+    """PARD drafter graph (export/graphs.py ``export_pard_drafter``) + per-sequence caches of committed tokens.
+
+    Each call feeds, per row, the committed tokens the cache does not hold yet, ending with the bonus token, then
+    K-1 ``pard_token`` slots; the K draft tokens are the logits of the last K of those rows (the graph gathers them
+    from ``logits_start``). Only real tokens' K/V are kept: the mask slots are dropped, which is PARD's rewind by
+    K-1. Rows are right-padded with placeholders after every real slot (never read by a real query: causal) and
+    the in-graph beta counts each query row's visible keys from the mask.
+    """
+
+    family = "pard"
+    verification = "rejection"
+    context = "tokens"  # the engine passes committed token ids, not target features
+
+    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
+        d = manifest["drafter"]
+        cfg = d["config"]
+        graph = manifest["graphs"]["drafter"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        super().__init__(engine_dir, graph, (cfg["num_hidden_layers"], cfg["num_key_value_heads"], hd), device,
+                         threads)
+        self.num_draft_tokens = int(d["num_draft_tokens"])
+        self.pard_token = int(d["pard_token"])
+        self.max_positions = int(cfg["max_position_embeddings"])
+        self.vocab_size = int(cfg["vocab_size"])
+        self.query_scaled = bool(manifest["query_scale"]["enabled"])
+        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
+        target_graph = engine_dir / manifest["graphs"]["target"]["file"]
+        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()
+                       if name in graph["inputs"]}
+
+    def can_draft(self, committed: int) -> bool:
+        """True when the K-1 mask slots after the bonus token (position ``committed``) fit the drafter."""
+        return committed + self.num_draft_tokens <= self.max_positions
+
+    def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[np.ndarray],
+              query_scale: list[bool] | None = None) -> np.ndarray:
+        """Draft K tokens after each row's bonus token.
+
+        Args:
+            caches: per row, the drafter cache of committed positions 0 .. kv_len - 1.
+            bonus_tokens: per row the last token the target produced (position s).
+            contexts: per row the committed token ids before the bonus token, int64 ``[s]`` (the whole history;
+                only positions kv_len .. s - 1 are fed, the rest is cached).
+            query_scale: per row, False = beta 1 through ``query_scale_enabled``; None = on for every row.
+        Returns:
+            logits ``[batch, K, vocab]`` f32.
+        Raises:
+            ValueError: a row's history is shorter than its cache, or asks for the scale off without a switch input.
+        """
+        flags = [True] * len(caches) if query_scale is None else list(query_scale)
+        if not all(flags) and self.query_scaled and not self.query_scale_switch:
+            raise ValueError("this drafter graph has no query_scale_enabled input; re-export the engines folder")
+        k = self.num_draft_tokens
+        rows = []
+        for cache, bonus, hist in zip(caches, bonus_tokens, contexts):
+            if len(hist) < cache.length:
+                raise ValueError(f"history of {len(hist)} tokens is shorter than the drafter cache ({cache.length})")
+            rows.append([*np.asarray(hist[cache.length:], np.int64).tolist(), int(bonus)])
+        lens = [len(r) for r in rows]  # real tokens fed per row (kept in the cache)
+        b, q = len(rows), max(lens) + k - 1
+        past, l_max = _pad_caches(caches)
+        ids = np.full((b, q), self.pard_token, np.int64)
+        pos = np.zeros((b, q), np.int64)
+        mask = np.zeros((b, l_max + q), np.int64)
+        for r, (cache, row) in enumerate(zip(caches, rows)):
+            n = len(row)
+            ids[r, :n] = row
+            pos[r] = np.minimum(np.arange(cache.length, cache.length + q), self.max_positions - 1)
+            mask[r, : cache.length] = 1
+            mask[r, l_max: l_max + n + k - 1] = 1  # placeholders after that stay 0
+        feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask,
+                "logits_start": np.asarray(lens, np.int64) - 1}
+        if self.query_scale_switch:
+            feed["query_scale_enabled"] = np.asarray(flags, np.float32)
+        feed.update(zip(self.kv_names, past))
+        feed.update(self.shared)
+        logits, *present = self.session.run(self.out_names, feed)
+        _unpad_present(present, caches, l_max, lens)
+        return logits

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server over an engines/ folder (FastAPI + uvicorn; 127.0.0.1 by default).
 
     python -m runtime.serve --engine engines/ [--host 127.0.0.1] [--port 8000] [--max-running 8] [--max-waiting 64]
+                            [--backend onnxruntime|torch]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), both with
 ``stream: true`` as server-sent events; GET /v1/models, GET /health, GET /metrics (Prometheus text format).
@@ -337,12 +338,14 @@ def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bo
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(["onnxruntime", "torch"]),
+              help="torch: rebuild the pair from the manifest's sources in PyTorch (drafter on the fused op)")
 @click.option("--max-running", default=8, show_default=True, type=click.IntRange(min=1),
               help="requests batched into each engine step")
 @click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0),
               help="queued requests beyond the running ones before 429")
 @click.option("--model-name", default=None, help="id served at /v1/models (default: the engines folder's name)")
-def main(engine_dir: Path, host: str, port: int, device: str, max_running: int, max_waiting: int,
+def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_running: int, max_waiting: int,
          model_name: str | None) -> None:
     import uvicorn
 
@@ -350,7 +353,7 @@ def main(engine_dir: Path, host: str, port: int, device: str, max_running: int, 
     from runtime.manifest import EngineDirError
 
     try:
-        engine = SpecEngine.from_dir(engine_dir, device=device)
+        engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
     except (EngineDirError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     _ = engine.tokenizer  # load before serving

@@ -14,6 +14,12 @@ drafter uses this scheme; checkpoints whose mask id is a real vocabulary row (Qw
 
 SharpDraft: the query of every block slot is multiplied by beta(N) after ``q_norm`` (and RoPE), N = s + B:
 all s committed context keys plus the B block keys (non-causal).
+
+Attention implementations (``attention_impl`` of :class:`DFlashAttention` / :class:`DFlashDrafter`):
+``"eager"`` (default; what ONNX export traces) computes the softmax inline and multiplies a precomputed beta onto
+the query; ``"fused"`` calls ``torch.ops.sharpdraft.query_scaled_attention`` (plugins/torch_op.py: torch reference
+on CPU, Triton kernel on CUDA), which computes beta(N) itself per row from the visible keys, given a
+:class:`plugins.rule.QueryScaleProfile` and per-row on/off flags instead of a beta.
 """
 from __future__ import annotations
 
@@ -151,9 +157,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+ATTENTION_IMPLS = ("eager", "fused")
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    return impl
+
+
 class DFlashAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    """DFlash block attention; ``attention_impl`` "eager" (inline softmax) or "fused" (the sharpdraft op)."""
+
+    def __init__(self, cfg: DFlashConfig, attention_impl: str = "eager"):
         super().__init__()
+        self.attention_impl = _check_impl(attention_impl)
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.nh, self.nkv, self.hd = nh, nkv, hd
         self.scaling = hd ** -0.5
@@ -172,7 +190,7 @@ class DFlashAttention(nn.Module):
         k = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.nkv)), cos, sin)
         return k, self._heads(self.v_proj(ctx), self.nkv)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None):
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None, profile=None, rows_on=None):
         """Non-causal block attention.
 
         Args:
@@ -180,10 +198,15 @@ class DFlashAttention(nn.Module):
             ctx_k, ctx_v: context K/V ``[batch, kv_heads, s, head_dim]`` (cached + new context rows).
             cos, sin: RoPE tables of the block positions ``[batch, 1, B, head_dim]``.
             attn_mask: optional additive/bool mask broadcastable to ``[batch, 1, B, s + B]`` (training; ragged
-                batches); None = all visible.
+                batches); None = all visible. The fused path takes only a per-key bool mask ``[batch, 1, 1, s + B]``.
             query_scale: beta, a float or a tensor broadcastable to ``[batch, 1, B, 1]``; None = 1.
+            profile: fused path only: a :class:`plugins.rule.QueryScaleProfile`; the op computes beta(N) per row
+                from that row's visible keys (N = ``attn_mask`` count). None = beta 1.
+            rows_on: fused path only: optional bool ``[batch]``, False = beta 1 for that row; None = all on.
         Returns:
             ``[batch, B, hidden]``.
+        Raises:
+            ValueError: ``profile``/``rows_on`` on the eager path, or a mask the fused path cannot take.
         """
         b, q_len, _ = x.shape
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.nh)), cos, sin)
@@ -193,6 +216,12 @@ class DFlashAttention(nn.Module):
         v_blk = self._heads(self.v_proj(x), self.nkv)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
+        if self.attention_impl == "fused":
+            out = self._fused(q, k, v, attn_mask, profile, rows_on)
+            return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
+        if profile is not None or rows_on is not None:
+            raise ValueError("profile / rows_on need attention_impl='fused'; the eager path takes a beta "
+                             "(query_scale)")
         rep = self.nh // self.nkv
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
@@ -203,6 +232,35 @@ class DFlashAttention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
         return self.o_proj(out)
+
+    def _fused(self, q, k, v, attn_mask, profile, rows_on):
+        """``torch.ops.sharpdraft.query_scaled_attention`` over q ``[b, heads, B, hd]``, k/v ``[b, kv_heads, keys,
+        hd]`` (GQA in the op) -> ``[b, heads, B, hd]``; rows with ``rows_on`` False run with the profile off."""
+        from plugins.torch_op import attention
+
+        key_mask = None
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1:3] != (1, 1):
+                raise ValueError("attention_impl='fused' takes a per-key bool mask [batch, 1, 1, keys] "
+                                 f"(got {attn_mask.dtype} {tuple(attn_mask.shape)})")
+            key_mask = attn_mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
+        on = profile is not None and profile.enabled
+        off = profile.replace(enabled=False) if on else None
+
+        def run(rows, prof):
+            sel = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
+            return attention(sel(q), sel(k), sel(v), None, prof, causal=False, scale=self.scaling,
+                             key_mask=sel(key_mask))
+
+        if not on or rows_on is None or bool(rows_on.all()):
+            return run(None, profile if on else None)
+        if not bool(rows_on.any()):
+            return run(None, off)
+        idx_on, idx_off = rows_on.nonzero().flatten(), (~rows_on).nonzero().flatten()
+        out = torch.empty_like(q)
+        out[idx_on] = run(idx_on, profile)
+        out[idx_off] = run(idx_off, off)
+        return out
 
 
 class DFlashMLP(nn.Module):
@@ -217,30 +275,45 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, attention_impl: str = "eager"):
         super().__init__()
-        self.self_attn = DFlashAttention(cfg)
+        self.self_attn = DFlashAttention(cfg, attention_impl)
         self.mlp = DFlashMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None):
-        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, attn_mask, query_scale)
+    def forward(self, h, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None, profile=None, rows_on=None):
+        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, attn_mask, query_scale,
+                               profile, rows_on)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash drafter body: ``fc``/``hidden_norm`` context projector, ``layers``, ``norm`` (+ ``mask_embedding``)."""
+    """DFlash drafter body: ``fc``/``hidden_norm`` context projector, ``layers``, ``norm`` (+ ``mask_embedding``).
 
-    def __init__(self, cfg: DFlashConfig):
+    ``attention_impl``: "eager" (default, exported to ONNX) or "fused" (module docstring); settable later.
+    """
+
+    def __init__(self, cfg: DFlashConfig, attention_impl: str = "eager"):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashLayer(cfg, attention_impl) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(h)) if cfg.uses_mask_embedding else None
+
+    @property
+    def attention_impl(self) -> str:
+        return self.layers[0].self_attn.attention_impl
+
+    @attention_impl.setter
+    def attention_impl(self, impl: str) -> None:
+        """Switch every layer to "eager" or "fused". Raises ValueError for another name."""
+        _check_impl(impl)
+        for layer in self.layers:
+            layer.self_attn.attention_impl = impl
 
     def embed_block(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Embed block ids ``[batch, B]`` int64 with the target's table ``[vocab, hidden]`` -> ``[batch, B, hidden]``.
@@ -257,7 +330,8 @@ class DFlashDrafter(nn.Module):
         """Tapped target features ``[batch, c, len(ids) * hidden]`` -> context states ``[batch, c, hidden]``."""
         return self.hidden_norm(self.fc(target_hidden))
 
-    def forward(self, block_embeds, target_hidden, position_ids, past_kv=None, query_scale=None, key_mask=None):
+    def forward(self, block_embeds, target_hidden, position_ids, past_kv=None, query_scale=None, key_mask=None,
+                profile=None, rows_on=None):
         """One draft step (inference form, cached context K/V).
 
         Args:
@@ -269,9 +343,14 @@ class DFlashDrafter(nn.Module):
             query_scale: beta (see :meth:`DFlashAttention.forward`), e.g. ``[batch, 1, 1, 1]`` per row; None = 1.
             key_mask: ``[batch, c_past + c_new + B]`` bool/int, 1 = visible key (ragged batches: right-padded
                 cache and context rows are 0); None = every key visible. N of row b = ``key_mask[b].sum()``.
+            profile: ``attention_impl="fused"`` only: :class:`plugins.rule.QueryScaleProfile`; the op computes
+                beta(N) per row from ``key_mask`` (instead of a precomputed ``query_scale``). None = beta 1.
+            rows_on: ``attention_impl="fused"`` only: bool ``[batch]``, False = beta 1 for that row.
         Returns:
             (hidden ``[batch, B, hidden]`` after ``norm``, new_kv: per layer (k, v) over c_past + c_new context rows;
             block K/V are never cached, so the cache never holds unverified keys).
+        Raises:
+            ValueError: ``profile``/``rows_on`` with the eager implementation.
         """
         c_new = target_hidden.shape[1]
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
@@ -284,17 +363,23 @@ class DFlashDrafter(nn.Module):
                 k_new = torch.cat([past_kv[i][0], k_new], dim=2)
                 v_new = torch.cat([past_kv[i][1], v_new], dim=2)
             new_kv.append((k_new, v_new))
-            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale)
+            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale, profile,
+                      rows_on)
         return self.norm(h), new_kv
 
 
-def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = torch.float32,
+                attention_impl: str = "eager") -> DFlashDrafter:
     """Load a DFlash checkpoint folder (``config.json`` + ``*.safetensors``) in the public key layout.
+
+    ``attention_impl``: "eager" (default) or "fused" (see :class:`DFlashDrafter`).
 
     Raises:
         CheckpointError: folder/config/weights missing or unreadable, or keys/shapes not matching the config
         (missing and unexpected keys are listed).
+        ValueError: an unknown ``attention_impl``.
     """
+    _check_impl(attention_impl)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -321,7 +406,7 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
                 from e
     for old, new in (("midlayer.", "layers.0."), ("encoder.fc.", "fc.")):  # third-party variants (vLLM mapping)
         state = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
-    model = DFlashDrafter(cfg)
+    model = DFlashDrafter(cfg, attention_impl)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
