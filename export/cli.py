@@ -25,15 +25,18 @@ from export.rewrite import QueryScaleRewriteError
 @click.option("--fused-attention", is_flag=True,
               help="also write drafter_fused/model.onnx with attention + beta as one sharpdraft::QueryScaledAttention "
                    "node per layer (TensorRT plugin form, plugins/tensorrt_plugin.py), validated against model.onnx")
+@click.option("--num-draft-tokens", type=int, default=None,
+              help="PARD: draft tokens per forward, K (static in the graph; default: the checkpoint's, else 8)")
 @click.option("-v", "--verbose", is_flag=True)
-def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, fused_attention, verbose):
+def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, fused_attention, num_draft_tokens,
+         verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
                            slope=slope, query_scale=not no_query_scale,
-                           fused_attention=fused_attention)
+                           fused_attention=fused_attention, num_draft_tokens=num_draft_tokens)
         manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
         click.echo(f"sharpdraft-export: error: {e}", err=True)
@@ -42,7 +45,7 @@ def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, fused
         click.echo("sharpdraft-export: interrupted; nothing was written to --out", err=True)
         sys.exit(130)
     qs = manifest["query_scale"]
-    click.echo(f"wrote {out}: drafter {family} (block {manifest['drafter']['block_size']}), query scale "
+    click.echo(f"wrote {out}: drafter {family} ({manifest['drafter']['num_draft_tokens']} draft tokens), query scale "
                f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, slope {qs['slope']}, "
                f"source {qs['source']})")
     click.echo("validation: " + json.dumps({k: v.get("max_abs_diff_logits", None) if k == "target" else

@@ -23,7 +23,9 @@ from runtime.models.dflash import CheckpointError, DFlashDrafter, load_dflash
 
 log = logging.getLogger("sharpdraft.export")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHECKPOINTS = {"dflash": REPO_ROOT / "drafters" / "dflash-smollm2-135m"}
+DEFAULT_CHECKPOINTS = {"dflash": REPO_ROOT / "drafters" / "dflash-smollm2-135m",
+                       "pard": REPO_ROOT / "drafters" / "pard-smollm2-135m"}
+DEFAULT_PARD_DRAFT_TOKENS = 8  # K when the checkpoint does not say (sharpdraft_num_draft_tokens); the reference uses 12
 FAMILIES = ("dflash", "pard", "eagle3")
 
 
@@ -42,12 +44,18 @@ class ExportConfig:
     query_scale: bool = True
     overwrite: bool = True
     fused_attention: bool = False  # also write drafter_fused/model.onnx (sharpdraft::QueryScaledAttention nodes)
+    num_draft_tokens: int | None = None  # PARD: K drafted per forward (static in the graph)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ExportError(f"unknown drafter family {self.family!r}; choose one of {', '.join(FAMILIES)}")
-        if self.family != "dflash":
-            raise ExportError(f"--drafter {self.family}: not supported by this version yet (DFlash only)")
+        if self.family not in DEFAULT_CHECKPOINTS:
+            raise ExportError(f"--drafter {self.family}: not supported by this version yet "
+                              f"({', '.join(DEFAULT_CHECKPOINTS)} only)")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise ExportError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.fused_attention and self.family != "dflash":
+            raise ExportError("--fused-attention supports DFlash drafters (non-causal key-mask attention) only")
         self.out = Path(self.out)
         try:  # bad --ref-keys / --slope fail here, before any model is loaded
             QueryScaleProfile.for_family(self.family, ref_keys=self.ref_keys, slope=self.slope)
@@ -55,12 +63,28 @@ class ExportConfig:
             raise ExportError(f"invalid query-scale option: {e}") from e
 
 
-def choose_profile(cfg: ExportConfig, drafter: DFlashDrafter) -> tuple[QueryScaleProfile, str]:
+def load_drafter(family: str, ckpt: Path):
+    """The torch drafter of ``family`` from its checkpoint folder. Raises CheckpointError."""
+    if family == "pard":
+        from runtime.models.pard import load_pard
+
+        return load_pard(ckpt)
+    return load_dflash(ckpt)
+
+
+def _checkpoint_profile(drafter) -> dict | None:
+    """The ``sharpdraft_query_scale`` profile a checkpoint ships, if any (DFlash parses it into its config)."""
+    if isinstance(drafter, DFlashDrafter):
+        return drafter.config.query_scale
+    return getattr(drafter.config, "sharpdraft_query_scale", None)
+
+
+def choose_profile(cfg: ExportConfig, drafter) -> tuple[QueryScaleProfile, str]:
     """CLI options override the checkpoint's own profile, which overrides the family preset."""
     source = "family-preset"
     profile = QueryScaleProfile.for_family(cfg.family)
-    if drafter.config.query_scale:
-        profile, source = QueryScaleProfile.from_dict(drafter.config.query_scale), "checkpoint"
+    if _checkpoint_profile(drafter):
+        profile, source = QueryScaleProfile.from_dict(_checkpoint_profile(drafter)), "checkpoint"
     if cfg.ref_keys is not None or cfg.slope is not None or not cfg.query_scale:
         profile = profile.replace(ref_keys=cfg.ref_keys, slope=cfg.slope)
         if not cfg.query_scale:
@@ -69,10 +93,15 @@ def choose_profile(cfg: ExportConfig, drafter: DFlashDrafter) -> tuple[QueryScal
     return profile, source
 
 
-def check_pair(drafter: DFlashDrafter, target) -> None:
+def check_pair(drafter, target) -> None:
     """Refuse a drafter that cannot run on this target (sizes and taps must match)."""
     d, t = drafter.config, target.config
     problems = []
+    if not isinstance(drafter, DFlashDrafter):  # PARD: only a borrowed embedding ties it to the target
+        if getattr(drafter, "borrow_embeddings", False) and d.hidden_size != t.hidden_size:
+            raise ExportError(f"PARD drafter borrows the target's embedding but its hidden_size {d.hidden_size} "
+                              f"differs from the target's {t.hidden_size}; pass the --target it was trained for")
+        return
     if d.hidden_size != t.hidden_size:
         problems.append(f"hidden_size {d.hidden_size} vs target {t.hidden_size}")
     if d.num_target_layers != t.num_hidden_layers:
@@ -173,51 +202,66 @@ def _check_out(out: Path) -> None:
 
 def run_export(cfg: ExportConfig) -> dict:
     """Export, rewrite, validate and write the engines folder. Returns the manifest. Raises ExportError."""
-    from export.graphs import export_drafter, export_target
+    from export.graphs import export_drafter, export_pard_drafter, export_target
     from export.rewrite import rewrite_file
-    from export.validate import validate_drafter, validate_target
+    from export.validate import validate_drafter, validate_pard_drafter, validate_target
     from runtime.models.target import TargetLoadError, load_target
 
     _check_out(cfg.out)
     ckpt = cfg.checkpoint or DEFAULT_CHECKPOINTS[cfg.family]
+    pard = cfg.family == "pard"
     try:
-        drafter = load_dflash(ckpt)
+        drafter = load_drafter(cfg.family, ckpt)
         target, tok = load_target(cfg.target)
     except (CheckpointError, TargetLoadError) as e:
         raise ExportError(str(e)) from e
     check_pair(drafter, target)
     check_vocabulary(ckpt, drafter.config.vocab_size, target.config.vocab_size, tok)
     profile, profile_source = choose_profile(cfg, drafter)
-    taps = drafter.config.target_layer_ids
+    taps = [] if pard else drafter.config.target_layer_ids
+    k = (cfg.num_draft_tokens or getattr(drafter.config, "sharpdraft_num_draft_tokens", None)
+         or DEFAULT_PARD_DRAFT_TOKENS) if pard else drafter.config.block_size - 1
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
         log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
         target_io = export_target(target, taps, tmp / "target" / "model.onnx")
         log.info("exporting drafter ...")
-        drafter_io = export_drafter(drafter, scratch / "frozen.onnx")
-        # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
-        counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
-                              num_keys_input="attention_mask",
-                              row_switch_input="query_scale_enabled" if profile.enabled else None)
+        switch = "query_scale_enabled" if profile.enabled else None
+        if pard:
+            drafter_io = export_pard_drafter(drafter, k, scratch / "frozen.onnx")
+            # N per query row = the keys its own attention mask lets it see (position + 1, ragged holes excluded)
+            counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
+                                  num_keys_from="score_mask", row_switch_input=switch)
+        else:
+            drafter_io = export_drafter(drafter, scratch / "frozen.onnx")
+            # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
+            counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
+                                  num_keys_input="attention_mask", row_switch_input=switch)
         if profile.enabled:  # the rewrite added a per-row on/off input (per-request A/B of the query scale)
             drafter_io["inputs"] = [*drafter_io["inputs"], "query_scale_enabled"]
         log.info("query-scale rewrite: %s", counts)
         shared = find_shared_weights(tmp / "target" / "model.onnx")
+        shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
         embed = target.get_input_embeddings().weight.detach()
         lm_head = target.get_output_embeddings().weight.detach()
         log.info("validating (ORT vs torch) ...")
+        if pard:
+            drafter_check = validate_pard_drafter(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile,
+                                                  embed if drafter.borrow_embeddings else None)
+        else:
+            drafter_check = validate_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile, embed,
+                                             lm_head)
         validation = {"target": validate_target(target, taps, tmp / "target" / "model.onnx", target_io),
-                      "drafter": validate_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile,
-                                                  embed, lm_head)}
+                      "drafter": drafter_check}
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
         if cfg.fused_attention:
             graphs["drafter_fused"] = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config,
                                                      profile, embed, lm_head, validation)
         tok.save_pretrained(tmp / "tokenizer")
-        manifest = _manifest(cfg, ckpt, drafter, target, tok, profile, profile_source, counts, shared,
-                             validation, graphs)
+        manifest = _manifest(cfg, ckpt, _drafter_entry(cfg.family, ckpt, drafter, k), target, tok, profile,
+                             profile_source, counts, shared, validation, graphs)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _replace_dir(tmp, cfg.out)
         return manifest
@@ -261,7 +305,21 @@ def _replace_dir(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _manifest(cfg, ckpt, drafter, target, tok, profile, profile_source, counts, shared, validation, graphs) -> dict:
+def _drafter_entry(family: str, ckpt: Path, drafter, num_draft_tokens: int) -> dict:
+    """The manifest's ``drafter`` section: family, checkpoint, config and the facts the runtime needs."""
+    base = {"family": family, "checkpoint": str(Path(ckpt).resolve()), "num_draft_tokens": num_draft_tokens}
+    if family == "pard":
+        return {**base, "config": drafter.config.to_dict(), "pard_token": drafter.pard_token,
+                "mask_embedding": drafter.uses_mask_embedding, "borrow_embeddings": drafter.borrow_embeddings,
+                "num_keys": "per query row: the keys its causal mask lets it see (position + 1)"}
+    return {**base, "config": drafter.config.to_dict(), "block_size": drafter.config.block_size,
+            "target_layer_ids": drafter.config.target_layer_ids, "mask_token_id": drafter.config.mask_token_id,
+            "mask_embedding": drafter.config.uses_mask_embedding,
+            "num_keys": "s + block_size (all queries of a block)"}
+
+
+def _manifest(cfg, ckpt, drafter_entry, target, tok, profile, profile_source, counts, shared, validation,
+              graphs) -> dict:
     t = target.config
     gen_eos = getattr(target.generation_config, "eos_token_id", None)
     eos_ids = sorted(i for i in {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
@@ -270,14 +328,10 @@ def _manifest(cfg, ckpt, drafter, target, tok, profile, profile_source, counts, 
         "schema_version": SCHEMA_VERSION,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "drafter": {"family": cfg.family, "checkpoint": str(Path(ckpt).resolve()),
-                    "config": drafter.config.to_dict(), "block_size": drafter.config.block_size,
-                    "target_layer_ids": drafter.config.target_layer_ids,
-                    "mask_token_id": drafter.config.mask_token_id,
-                    "mask_embedding": drafter.config.uses_mask_embedding,
-                    "num_keys": "s + block_size (all queries of a block)"},
+        "drafter": drafter_entry,
         "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts,
-                        "num_keys": "per batch row: sum of the drafter's attention_mask"},
+                        "num_keys": ("per query row: visible keys of its attention mask" if cfg.family == "pard"
+                                     else "per batch row: sum of the drafter's attention_mask")},
         "target": {"source": str(cfg.target or "smollm2-135m-instruct"), "architecture": t.architectures[0],
                    "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,
                    "num_key_value_heads": t.num_key_value_heads,

@@ -330,7 +330,11 @@ class SpecEngine:
         """Invariants after every round (design.md §5)."""
         if s.target_cache.length != s.committed:
             raise InvariantError(f"target KV length {s.target_cache.length} != committed tokens {s.committed}")
-        if self.drafter is not None:
+        if self.drafter is not None and getattr(self.drafter, "context", "target_features") == "tokens":
+            if s.drafter_cache.length > s.committed:  # PARD caches committed tokens only (mask slots dropped)
+                raise InvariantError(f"drafter cache {s.drafter_cache.length} holds more than the committed tokens "
+                                     f"{s.committed}: unverified (mask) K/V were kept")
+        elif self.drafter is not None:
             cached = s.drafter_cache.length
             if cached + s.pending_ctx.shape[0] != s.committed:
                 raise InvariantError(f"drafter cache {cached} + pending context {s.pending_ctx.shape[0]} != "

@@ -105,3 +105,45 @@ def tiny_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
     run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
                             ref_keys=64))
     return out
+
+
+def write_tiny_pard(path: Path, target_dir: Path, *, seed: int = 2, query_scale: dict | None = None) -> Path:
+    """A tiny PARD drafter in sharpdraft's demo layout (2 layers initialised from the tiny target's first two,
+    target embedding borrowed, ``pard_token`` = vocab_size with a ``mask_embedding``)."""
+    from safetensors.torch import load_file, save_file
+
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    cfg = {k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size")}
+    for rope in ("rope_parameters", "rope_theta"):  # transformers 5 writes rope_parameters
+        if rope in tcfg:
+            cfg[rope] = tcfg[rope]
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=2, tie_word_embeddings=True,
+               pard_token=tcfg["vocab_size"], spd_type="pard", sharpdraft_embeddings="target")
+    if query_scale is not None:
+        cfg["sharpdraft_query_scale"] = query_scale
+    src = load_file(target_dir / "model.safetensors")
+    state = {k: v.clone() for k, v in src.items() if k.startswith(("model.layers.0.", "model.layers.1."))}
+    state["model.norm.weight"] = src["model.norm.weight"].clone()
+    g = torch.Generator().manual_seed(seed)
+    state["mask_embedding"] = torch.randn(cfg["hidden_size"], generator=g) * 0.2
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_pard_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    return write_tiny_pard(tmp_path_factory.mktemp("tiny_pard"), tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_pard_engines(tmp_path_factory, tiny_target_dir, tiny_pard_dir) -> Path:
+    """An engines/ folder exported from the tiny target + tiny PARD drafter (ref_keys 64, K = 4)."""
+    from export.pipeline import ExportConfig, run_export
+
+    out = tmp_path_factory.mktemp("pard_engines") / "engines"
+    run_export(ExportConfig(family="pard", out=out, checkpoint=tiny_pard_dir, target=str(tiny_target_dir),
+                            ref_keys=64, num_draft_tokens=4))
+    return out

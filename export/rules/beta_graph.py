@@ -1,6 +1,6 @@
 """The in-graph beta(N) subgraph of SharpDraft (arXiv 2610.05106) and the query ``Mul`` it feeds.
 
-From an int64 N (visible keys, any shape broadcastable to the query):
+From an int64 or float32 N (visible keys, any shape broadcastable to the query):
 
     Cast(float) -> Sub(top_k) -> Div(ref_keys - top_k) -> Max(1) -> Log -> Div(slope) -> Add(1) -> Min(cap)
 
@@ -84,7 +84,8 @@ def beta_from_num_keys(builder: SubgraphBuilder, num_keys: ir.Value, profile: Qu
     """beta(N) in float32, elementwise.
 
     Args:
-        num_keys: int64 N, any shape (``[1]`` for one N per graph, ``[q_len, 1]`` per row, ``[batch, 1, q_len, 1]``).
+        num_keys: int64 or float32 N, any shape (``[1]`` for one N per graph, ``[q_len, 1]`` per row,
+            ``[batch, 1, q_len, 1]``).
         profile: constants ref_keys, top_k, slope, cap (``profile.enabled`` is the caller's business).
 
     Returns:
@@ -93,7 +94,7 @@ def beta_from_num_keys(builder: SubgraphBuilder, num_keys: ir.Value, profile: Qu
     def f32(x: float) -> ir.Value:
         return builder.const(np.array(x, dtype=np.float32))
 
-    n = builder.op("Cast", num_keys, to=int(ir.DataType.FLOAT))
+    n = num_keys if num_keys.dtype == ir.DataType.FLOAT else builder.op("Cast", num_keys, to=int(ir.DataType.FLOAT))
     r = builder.op("Div", builder.op("Sub", n, f32(profile.top_k)), f32(profile.ref_keys - profile.top_k))
     r = builder.op("Max", r, f32(1.0))
     log_r = builder.op("Div", builder.op("Log", r), f32(profile.slope))

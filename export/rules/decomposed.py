@@ -11,11 +11,17 @@ Worked example (one layer, DFlash, keys on the last axis of K^T)::
 becomes
     q -> Mul(q, Cast(beta(Shape(kt)[-1]))) -> MatMul(., kt) -> ...
 
-N is the full key length (dim -1 of K^T). NOTE(sharpdraft): additive / Where masks are not subtracted from N, so a
-causal decomposed attention gets the same beta for every row (exact for DFlash, whose block sees all N keys).
+N is the full key length (dim -1 of K^T). NOTE(sharpdraft): in that default mode additive / Where masks are not
+subtracted from N, so a causal decomposed attention gets the same beta for every row (exact for DFlash, whose block
+sees all N keys). For causal drafters (PARD, EAGLE-3) ``export/rewrite.py``'s ``num_keys_from="score_mask"`` mode
+instead counts, per query row, the keys the attention's own mask leaves visible: :func:`score_masks` finds the mask
+operands of the score chain and :func:`visible_keys_from_masks` builds N from them.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import onnx_ir as ir
 
 from export.rules.base import (AttentionMatch, MatchFailure, default_opset, dim_key, fail, int_attr, is_constant,
@@ -68,6 +74,136 @@ def _feeds_value_matmul(probs: ir.Value, depth: int = 0) -> bool:
             if _feeds_value_matmul(user.outputs[0], depth + 1):
                 return True
     return False
+
+
+# An additive mask entry at or below this is a hidden key (HF uses finfo(dtype).min or -inf, 0 for visible keys).
+# fp16's finfo.min is -65504, so the threshold is max(-1e30, finfo(dtype).min / 2) per mask dtype.
+HIDDEN_BELOW = -1e30
+
+
+def hidden_threshold(dtype: ir.DataType) -> float:
+    """The additive-mask value at or below which a key counts as hidden, for a float mask of ``dtype``."""
+    import ml_dtypes  # a dependency of onnx_ir; its finfo also knows bfloat16 / float8
+
+    return max(HIDDEN_BELOW, float(ml_dtypes.finfo(dtype.numpy()).min) / 2)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScoreMask:
+    """One mask operand of a score chain.
+
+    Attributes:
+        kind: ``"additive"`` (float M added to the scores; visible = M > threshold), ``"keep"`` (bool cond of
+            ``Where(cond, scores, fill)``: visible = cond) or ``"hide"`` (``Where(cond, fill, scores)``: visible =
+            Not(cond)).
+        value: the mask value (e.g. [batch, 1, q_len, keys] float or bool; any shape broadcastable to the scores).
+    """
+
+    kind: str
+    value: ir.Value
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.kind, id(self.value))
+
+
+def score_masks(match: AttentionMatch) -> list[ScoreMask] | MatchFailure:
+    """The mask operands between ``match.anchor`` (the QK MatMul) and its Softmax, in chain order.
+
+    Returns a failure when the chain has no mask (e.g. an ``is_causal`` SDPA exported without a mask) or a mask
+    that does not span the key axis (scalar / last dim 1: it cannot say which keys are hidden). Never raises.
+    """
+    softmax: ir.Node = match.info["softmax"]
+    masks = _masks_on_path(softmax.inputs[0], match.anchor)
+    if masks is None:
+        return fail("the score chain from Softmax to the QK MatMul could not be followed", softmax.name)
+    if not masks:
+        return fail("no mask (Add or Where) in the score chain: the visible keys per query row are unknown",
+                    softmax.name)
+    for mask in masks:
+        shape = mask.value.shape
+        if shape is not None and (len(shape) == 0 or shape[-1] == 1):
+            return fail("mask does not span the key axis (last dim 1)", mask.value.name)
+        if mask.kind == "additive" and mask.value.dtype is None:
+            return fail("additive mask of unknown dtype", mask.value.name)
+        if mask.kind != "additive" and mask.value.dtype not in (None, ir.DataType.BOOL):
+            return fail("Where condition is not bool", mask.value.dtype)
+    return masks
+
+
+def _masks_on_path(value: ir.Value | None, target: ir.Node, depth: int = 0) -> list[ScoreMask] | None:
+    """Masks met walking up from ``value`` to ``target`` through score-side ops; None if ``target`` is not reached."""
+    node = value.producer() if value is not None else None
+    if node is None or depth > _MAX_WALK:
+        return None
+    if node is target:
+        return []
+    if _is_onnx(node, "Add") and len(node.inputs) == 2:
+        for i in (0, 1):
+            found = _masks_on_path(node.inputs[i], target, depth + 1)
+            if found is not None:
+                other = node.inputs[1 - i]
+                return found if is_scalar_like(other) else found + [ScoreMask("additive", other)]
+        return None
+    if _is_onnx(node, "Where") and len(node.inputs) == 3:
+        for branch, kind in ((1, "keep"), (2, "hide")):
+            found = _masks_on_path(node.inputs[branch], target, depth + 1)
+            if found is not None:
+                return found + [ScoreMask(kind, node.inputs[0])]
+        return None
+    for source in _score_sources(node):  # Cast, Mul/Div by a scale
+        found = _masks_on_path(source, target, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _where_fill_visibility(builder: SubgraphBuilder, mask: ir.Value) -> ir.Value | None:
+    """For ``M = Where(cond, a, b)`` with constants a visible (> threshold) and b hidden: ``cond`` (or Not(cond)).
+
+    HF / torch build their additive mask this way; reading the bool skips a float compare. None otherwise.
+    """
+    node = mask.producer()
+    if node is None or not _is_onnx(node, "Where") or len(node.inputs) != 3 or mask.dtype is None:
+        return None
+    consts = [ir.convenience.get_const_tensor(v) for v in node.inputs[1:]]
+    if any(c is None or c.size != 1 for c in consts) or node.inputs[0].dtype != ir.DataType.BOOL:
+        return None
+    threshold = hidden_threshold(mask.dtype)
+    a, b = (float(c.numpy().reshape(())) for c in consts)
+    if a > threshold >= b:
+        return node.inputs[0]
+    if b > threshold >= a:
+        return builder.op("Not", node.inputs[0])
+    return None
+
+
+def visible_keys_from_masks(builder: SubgraphBuilder, masks: list[ScoreMask]) -> ir.Value:
+    """float32 N = ReduceSum(Cast(visible, float32), axes=[-1], keepdims=1), visible = And over the masks.
+
+    Args:
+        masks: from :func:`score_masks`, e.g. one [batch, 1, q_len, keys] mask.
+
+    Returns:
+        float32 N with the masks' broadcast shape and last dim 1 (e.g. [batch, 1, q_len, 1]); it broadcasts onto
+        a query [batch, heads, q_len, head_dim]. A fully hidden row gives N = 0 (beta 1).
+    """
+    visible = None
+    for mask in masks:
+        if mask.kind == "keep":
+            vis = mask.value
+        elif mask.kind == "hide":
+            vis = builder.op("Not", mask.value)
+        else:
+            vis = _where_fill_visibility(builder, mask.value)
+            if vis is None:
+                threshold = builder.const(np.array(hidden_threshold(mask.value.dtype), dtype=mask.value.dtype.numpy()))
+                vis = builder.op("Greater", mask.value, threshold)
+        visible = vis if visible is None else builder.op("And", visible, vis)
+    as_float = builder.op("Cast", visible, to=int(ir.DataType.FLOAT))
+    num_keys = builder.op("ReduceSum", as_float, builder.const(np.array([-1], dtype=np.int64)), keepdims=1)
+    num_keys.dtype = ir.DataType.FLOAT
+    return num_keys
 
 
 class DecomposedAttentionQueryScale:
