@@ -1,0 +1,304 @@
+"""EAGLE-3 drafter (SafeAILab, arXiv 2503.01840) in PyTorch, faithful to the public checkpoint formats.
+
+Checkpoint format (``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``, AngelSlim / RedHat speculators heads; ModelOpt's
+official export; ../shared/reference/drafters.md §3.1, §3.3, §6.3): a Llama-style ``config.json`` with
+``draft_vocab_size`` (and optionally ``target_hidden_size``, ``eagle_config``), weights
+
+    fc.weight                      [hidden, 3 * target_hidden]   fused target features -> hidden
+    midlayer.self_attn.{q,k,v}_proj.weight  [.., 2 * hidden]     q/k/v read [input_layernorm(embed) ; hidden_norm(h)]
+    midlayer.self_attn.o_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight
+    midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight
+    norm.weight, lm_head.weight    [draft_vocab, hidden]
+    d2t                            int64 [draft_vocab]: target id = draft id + d2t[draft id]
+    t2d (optional)                 bool [vocab]: which target ids the draft vocabulary covers
+    embed_tokens.weight (optional) otherwise the target's embedding is borrowed (passed at run time)
+
+Variants accepted (the ecosystem writes them): ``layers.0.*`` instead of ``midlayer.*`` (vLLM, speculators),
+``model.`` key prefixes, missing ``t2d`` (rebuilt from ``d2t``), missing ``embed_tokens``, ``eagle_config`` extras
+(``eagle_aux_hidden_state_layer_ids`` picks the target taps), and no ``rope_theta`` (EAGLE's reference then uses
+10000, as vLLM does).
+
+Target features: HF ``hidden_states[i]`` (the input of target layer i) for i in the aux layer ids, default
+{2, L // 2, L - 3}, concatenated in that order. Drafter position p holds the pair (token p + 1, feature h_p);
+attention is causal, so N of a query row = its position + 1 (design.md §1), beta differs per row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.models.dflash import CheckpointError, RMSNorm, apply_rope, rope_cos_sin
+
+
+def default_aux_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's default taps: the inputs of target layers 2, L // 2 and L - 3."""
+    return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+@dataclasses.dataclass(slots=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int] | None  # None: default_aux_layer_ids(target layers), resolved against the target
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    query_scale: dict | None = None  # sharpdraft extension: a QueryScaleProfile dict suited to this drafter
+    raw: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+        """Parse an EAGLE-3 ``config.json`` dict. Raises CheckpointError if fields are missing or unsupported."""
+        ecfg = d.get("eagle_config") or {}
+        try:
+            if int(d.get("num_hidden_layers", 1)) != 1:
+                raise CheckpointError(f"num_hidden_layers {d['num_hidden_layers']}: EAGLE-3 drafters with more than "
+                                      "one decoder layer are not supported")
+            scaling = d.get("rope_scaling") or (d.get("rope_parameters") or {})
+            rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+            if rope_type != "default":
+                raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported for EAGLE-3 drafters")
+            rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+            hidden = int(d["hidden_size"])
+            aux = ecfg.get("eagle_aux_hidden_state_layer_ids") or d.get("eagle_aux_hidden_state_layer_ids")
+            return cls(hidden_size=hidden, intermediate_size=int(d["intermediate_size"]),
+                       num_attention_heads=int(d["num_attention_heads"]),
+                       num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+                       head_dim=int(d.get("head_dim") or hidden // int(d["num_attention_heads"])),
+                       vocab_size=int(d["vocab_size"]),
+                       draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+                       target_hidden_size=int(d.get("target_hidden_size") or hidden),
+                       aux_layer_ids=[int(i) for i in aux] if aux else None,
+                       rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)), rope_theta=float(rope_theta),
+                       max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                       query_scale=d.get("sharpdraft_query_scale"), raw=dict(d))
+        except KeyError as e:
+            raise CheckpointError(f"EAGLE-3 config is missing field {e.args[0]!r}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.raw)
+
+
+class Eagle3Attention(nn.Module):
+    """Causal attention whose q/k/v read the 2H input [input_layernorm(embed) ; hidden_norm(h)]."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+    def forward(self, x, cos, sin, past_k, past_v, add_mask, beta=None):
+        """x ``[batch, q, 2H]``; past_k/v ``[batch, kv_heads, past, head_dim]``; add_mask additive
+        ``[batch, 1, q, past + q]`` (0 visible, finfo.min hidden); beta ``[batch, 1, q, 1]`` or None.
+        Returns (out ``[batch, q, H]``, k, v over past + q)."""
+        b, q, _ = x.shape
+        heads = lambda t, n: t.view(b, q, n, self.hd).transpose(1, 2)  # noqa: E731
+        qs = apply_rope(heads(self.q_proj(x), self.nh), cos, sin)
+        if beta is not None:
+            qs = qs * beta.to(qs.dtype)  # SharpDraft: after RoPE (linear), before attention; per query row
+        k = torch.cat([past_k, apply_rope(heads(self.k_proj(x), self.nkv), cos, sin)], dim=2)
+        v = torch.cat([past_v, heads(self.v_proj(x), self.nkv)], dim=2)
+        rep = self.nh // self.nkv
+        kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(qs, kr.transpose(-1, -2)) * self.hd ** -0.5 + add_mask
+        probs = torch.softmax(scores.float(), dim=-1).to(qs.dtype)
+        out = torch.matmul(probs, vr).transpose(1, 2).reshape(b, q, self.nh * self.hd)
+        return self.o_proj(out), k, v
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = Eagle3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 head: ``fc``, one decoder layer (``midlayer``), ``norm``, ``lm_head`` over the draft vocabulary."""
+
+    def __init__(self, cfg: Eagle3Config, with_embedding: bool = False):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if with_embedding else None
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """int64 ``[draft_vocab]``: the target id of each draft id (draft id + d2t)."""
+        return torch.arange(self.config.draft_vocab_size) + self.d2t
+
+    def project(self, target_features: torch.Tensor) -> torch.Tensor:
+        """``[batch, c, 3 * target_hidden]`` tapped target features -> ``[batch, c, hidden]`` (``fc``)."""
+        return self.fc(target_features)
+
+    def forward(self, input_ids, hidden, position_ids, attention_mask, past_kv=None, embed_weight=None,
+                beta=None):
+        """One drafter forward over q positions (context pass, or one chain step with q = 1).
+
+        Args:
+            input_ids: ``[batch, q]`` int64, token p + 1 at drafter position p.
+            hidden: ``[batch, q, hidden]``: ``fc`` of target features (context pass) or the drafter's own previous
+                output (chain steps).
+            position_ids: ``[batch, q]`` int64.
+            attention_mask: ``[batch, past + q]`` int64, 1 = visible key (ragged rows: 0 on padding); causal
+                order is added here.
+            past_kv: (k, v) ``[batch, kv_heads, past, head_dim]`` or None.
+            embed_weight: the target's embedding ``[vocab, hidden]`` when the checkpoint has none.
+            beta: query scale per query row ``[batch, 1, q, 1]`` (see :func:`row_beta`) or None (frozen).
+        Returns:
+            (logits ``[batch, q, draft_vocab]`` f32, out ``[batch, q, hidden]`` (pre-``norm``: recycled into the next
+            chain step), (k, v) over past + q).
+        """
+        b, q = input_ids.shape
+        cfg = self.config
+        table = embed_weight if embed_weight is not None else self.embed_tokens.weight
+        emb = F.embedding(input_ids, table)
+        if past_kv is None:
+            z = hidden.new_zeros(b, cfg.num_key_value_heads, 0, cfg.head_dim)
+            past_kv = (z, z)
+        add_mask = causal_mask(attention_mask, q, hidden.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, hidden.dtype)
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        attn, k, v = layer.self_attn(x, cos, sin, past_kv[0], past_kv[1], add_mask, beta)
+        h = hidden + attn
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(out)), out, (k, v)
+
+
+def causal_mask(attention_mask: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[batch, 1, q, keys]`` mask: key j visible to query i iff attention_mask[b, j] and j <= past + i."""
+    keys = attention_mask.shape[1]
+    past = keys - q
+    j = torch.arange(keys, device=attention_mask.device)[None, :]
+    i = torch.arange(q, device=attention_mask.device)[:, None]
+    visible = (j <= past + i)[None] & attention_mask.bool()[:, None, :]  # [batch, q, keys]
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+
+def row_beta(attention_mask: torch.Tensor, q: int, profile, row_switch: torch.Tensor | None = None):
+    """beta per query row ``[batch, 1, q, 1]`` f32: N = visible keys of that row (position + 1 without holes)."""
+    from plugins.rule import beta_torch
+
+    n = (causal_mask(attention_mask, q, torch.float32) == 0).sum(-1, keepdim=True)  # [batch, 1, q, 1]
+    beta = beta_torch(n, profile).float()
+    if row_switch is not None:
+        beta = 1 + (beta - 1) * row_switch.float().view(-1, 1, 1, 1)
+    return beta
+
+
+_KEY_MAP = (("midlayer.", "midlayer."), ("layers.0.", "midlayer."), ("model.layers.0.", "midlayer."),
+            ("model.midlayer.", "midlayer."), ("model.embed_tokens.", "embed_tokens."), ("model.norm.", "norm."),
+            ("model.fc.", "fc."))
+
+
+def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        for old, new in _KEY_MAP:
+            if k.startswith(old):
+                k = new + k[len(old):]
+                break
+        out[k] = v
+    return out
+
+
+def load_eagle3(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """Load an EAGLE-3 checkpoint folder (``config.json`` + ``*.safetensors`` or ``pytorch_model.bin``) strictly.
+
+    Raises:
+        CheckpointError: folder / config / weights missing or unreadable; keys missing or unexpected (listed);
+            shapes not matching the config; ``d2t`` mapping a draft id outside the target vocabulary.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json; an EAGLE-3 checkpoint folder holds config.json and weights")
+    try:
+        cfg = Eagle3Config.from_dict(json.loads(cfg_file.read_text()))
+    except (json.JSONDecodeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{cfg_file}: invalid EAGLE-3 config: {e}") from e
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    try:
+        for f in files:
+            state.update(load_file(f))
+        if not files and (path / "pytorch_model.bin").is_file():
+            state.update(torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupt or unreadable weights ({e})") from e
+    if not state:
+        raise CheckpointError(f"{path}: no *.safetensors or pytorch_model.bin weights next to config.json")
+    state = _normalise_keys(state)
+    model = Eagle3Drafter(cfg, with_embedding="embed_tokens.weight" in state)
+    if "t2d" not in state and "d2t" in state:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + state["d2t"].long()] = True
+        state["t2d"] = t2d
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+           if state[k].shape != v.shape]
+    if bad:
+        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")
+    targets = torch.arange(cfg.draft_vocab_size) + state["d2t"].long()
+    if targets.min() < 0 or targets.max() >= cfg.vocab_size:
+        raise CheckpointError(f"{path}: d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})")
+    state["d2t"] = state["d2t"].long()
+    state["t2d"] = state["t2d"].bool()
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
+def save_eagle3(model: Eagle3Drafter, path: str | Path, config: dict, metadata: dict[str, str] | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the official layout (``midlayer.*``; d2t/t2d kept exact)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
+             for k, v in model.state_dict().items()}
+    save_file(state, path / "model.safetensors", metadata=metadata or {"format": "pt"})
