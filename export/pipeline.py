@@ -24,7 +24,9 @@ from runtime.models.dflash import CheckpointError, DFlashDrafter, load_dflash
 log = logging.getLogger("sharpdraft.export")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINTS = {"dflash": REPO_ROOT / "drafters" / "dflash-smollm2-135m",
-                       "pard": REPO_ROOT / "drafters" / "pard-smollm2-135m"}
+                       "pard": REPO_ROOT / "drafters" / "pard-smollm2-135m",
+                       "eagle3": REPO_ROOT / "drafters" / "eagle3-smollm2-135m"}
+DEFAULT_EAGLE3_DRAFT_TOKENS = 5  # chain length K when the checkpoint does not say
 DEFAULT_PARD_DRAFT_TOKENS = 8  # K when the checkpoint does not say (sharpdraft_num_draft_tokens); the reference uses 12
 FAMILIES = ("dflash", "pard", "eagle3")
 
@@ -69,12 +71,16 @@ def load_drafter(family: str, ckpt: Path):
         from runtime.models.pard import load_pard
 
         return load_pard(ckpt)
+    if family == "eagle3":
+        from runtime.models.eagle3 import load_eagle3
+
+        return load_eagle3(ckpt)
     return load_dflash(ckpt)
 
 
 def _checkpoint_profile(drafter) -> dict | None:
     """The ``sharpdraft_query_scale`` profile a checkpoint ships, if any (DFlash parses it into its config)."""
-    if isinstance(drafter, DFlashDrafter):
+    if isinstance(drafter, DFlashDrafter) or hasattr(drafter.config, "draft_vocab_size"):  # DFlash, EAGLE-3
         return drafter.config.query_scale
     return getattr(drafter.config, "sharpdraft_query_scale", None)
 
@@ -97,6 +103,20 @@ def check_pair(drafter, target) -> None:
     """Refuse a drafter that cannot run on this target (sizes and taps must match)."""
     d, t = drafter.config, target.config
     problems = []
+    if hasattr(d, "draft_vocab_size"):  # EAGLE-3: fc reads 3 target layers; vocabulary and embedding are shared
+        layers = eagle3_aux_layers(drafter, t.num_hidden_layers)
+        if d.target_hidden_size != t.hidden_size:
+            problems.append(f"target_hidden_size {d.target_hidden_size} vs target {t.hidden_size}")
+        if any(not 1 <= i <= t.num_hidden_layers for i in layers):
+            problems.append(f"aux hidden-state layers {layers} outside the target's 1..{t.num_hidden_layers}")
+        if drafter.embed_tokens is None and d.hidden_size != t.hidden_size:
+            problems.append(f"borrows the target's embedding but hidden_size {d.hidden_size} != {t.hidden_size}")
+        if d.vocab_size != t.vocab_size:
+            problems.append(f"vocab_size {d.vocab_size} vs target {t.vocab_size} (d2t maps into the target's ids)")
+        if problems:
+            raise ExportError("EAGLE-3 drafter does not fit this target: " + "; ".join(problems)
+                              + " (pass the --target it was trained for)")
+        return
     if not isinstance(drafter, DFlashDrafter):  # PARD: only a borrowed embedding ties it to the target
         if getattr(drafter, "borrow_embeddings", False) and d.hidden_size != t.hidden_size:
             raise ExportError(f"PARD drafter borrows the target's embedding but its hidden_size {d.hidden_size} "
@@ -109,6 +129,13 @@ def check_pair(drafter, target) -> None:
     if problems:
         raise ExportError("drafter checkpoint does not fit this target: " + "; ".join(problems)
                           + " (pass the --target it was trained for)")
+
+
+def eagle3_aux_layers(drafter, num_target_layers: int) -> list[int]:
+    """The HF hidden_states indices an EAGLE-3 drafter reads (its config's, else 2, L // 2, L - 3)."""
+    from runtime.models.eagle3 import default_aux_layer_ids
+
+    return drafter.config.aux_layer_ids or default_aux_layer_ids(num_target_layers)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -202,14 +229,15 @@ def _check_out(out: Path) -> None:
 
 def run_export(cfg: ExportConfig) -> dict:
     """Export, rewrite, validate and write the engines folder. Returns the manifest. Raises ExportError."""
-    from export.graphs import export_drafter, export_pard_drafter, export_target
+    from export.graphs import export_drafter, export_eagle3_drafter, export_pard_drafter, export_target
     from export.rewrite import rewrite_file
-    from export.validate import validate_drafter, validate_pard_drafter, validate_target
+    from export.validate import (validate_drafter, validate_eagle3_drafter, validate_pard_drafter,
+                                 validate_target)
     from runtime.models.target import TargetLoadError, load_target
 
     _check_out(cfg.out)
     ckpt = cfg.checkpoint or DEFAULT_CHECKPOINTS[cfg.family]
-    pard = cfg.family == "pard"
+    pard, eagle3 = cfg.family == "pard", cfg.family == "eagle3"
     try:
         drafter = load_drafter(cfg.family, ckpt)
         target, tok = load_target(cfg.target)
@@ -218,9 +246,17 @@ def run_export(cfg: ExportConfig) -> dict:
     check_pair(drafter, target)
     check_vocabulary(ckpt, drafter.config.vocab_size, target.config.vocab_size, tok)
     profile, profile_source = choose_profile(cfg, drafter)
-    taps = [] if pard else drafter.config.target_layer_ids
-    k = (cfg.num_draft_tokens or getattr(drafter.config, "sharpdraft_num_draft_tokens", None)
-         or DEFAULT_PARD_DRAFT_TOKENS) if pard else drafter.config.block_size - 1
+    if pard:
+        taps = []
+    elif eagle3:  # TargetForExport taps hidden_states[i + 1]; EAGLE-3 names hidden_states indices
+        taps = [i - 1 for i in eagle3_aux_layers(drafter, target.config.num_hidden_layers)]
+    else:
+        taps = drafter.config.target_layer_ids
+    if pard or eagle3:
+        k = (cfg.num_draft_tokens or _checkpoint_field(drafter, "sharpdraft_num_draft_tokens")
+             or (DEFAULT_PARD_DRAFT_TOKENS if pard else DEFAULT_EAGLE3_DRAFT_TOKENS))
+    else:
+        k = drafter.config.block_size - 1
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
@@ -228,7 +264,12 @@ def run_export(cfg: ExportConfig) -> dict:
         target_io = export_target(target, taps, tmp / "target" / "model.onnx")
         log.info("exporting drafter ...")
         switch = "query_scale_enabled" if profile.enabled else None
-        if pard:
+        fc_io = None
+        if eagle3:
+            drafter_io, fc_io = export_eagle3_drafter(drafter, scratch / "frozen.onnx", tmp / "drafter_fc" / "model.onnx")
+            counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
+                                  num_keys_from="score_mask", row_switch_input=switch)
+        elif pard:
             drafter_io = export_pard_drafter(drafter, k, scratch / "frozen.onnx")
             # N per query row = the keys its own attention mask lets it see (position + 1, ragged holes excluded)
             counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
@@ -246,7 +287,10 @@ def run_export(cfg: ExportConfig) -> dict:
         embed = target.get_input_embeddings().weight.detach()
         lm_head = target.get_output_embeddings().weight.detach()
         log.info("validating (ORT vs torch) ...")
-        if pard:
+        if eagle3:
+            drafter_check = validate_eagle3_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile,
+                                                    embed if drafter.embed_tokens is None else None)
+        elif pard:
             drafter_check = validate_pard_drafter(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile,
                                                   embed if drafter.borrow_embeddings else None)
         else:
@@ -256,6 +300,8 @@ def run_export(cfg: ExportConfig) -> dict:
                       "drafter": drafter_check}
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
+        if fc_io is not None:
+            graphs["drafter_fc"] = _graph_entry(tmp, tmp / "drafter_fc" / "model.onnx", fc_io)
         if cfg.fused_attention:
             graphs["drafter_fused"] = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config,
                                                      profile, embed, lm_head, validation)
@@ -305,9 +351,20 @@ def _replace_dir(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _checkpoint_field(drafter, name: str):
+    cfg = drafter.config
+    raw = getattr(cfg, "raw", None)
+    return raw.get(name) if isinstance(raw, dict) else getattr(cfg, name, None)
+
+
 def _drafter_entry(family: str, ckpt: Path, drafter, num_draft_tokens: int) -> dict:
     """The manifest's ``drafter`` section: family, checkpoint, config and the facts the runtime needs."""
     base = {"family": family, "checkpoint": str(Path(ckpt).resolve()), "num_draft_tokens": num_draft_tokens}
+    if family == "eagle3":
+        c = drafter.config
+        return {**base, "config": c.to_dict(), "aux_layer_ids": c.aux_layer_ids,
+                "draft_vocab_size": c.draft_vocab_size, "borrow_embeddings": drafter.embed_tokens is None,
+                "num_keys": "per query row: position + 1 (causal chain drafting)"}
     if family == "pard":
         return {**base, "config": drafter.config.to_dict(), "pard_token": drafter.pard_token,
                 "mask_embedding": drafter.uses_mask_embedding, "borrow_embeddings": drafter.borrow_embeddings,
@@ -330,7 +387,7 @@ def _manifest(cfg, ckpt, drafter_entry, target, tok, profile, profile_source, co
         "torch": torch.__version__,
         "drafter": drafter_entry,
         "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts,
-                        "num_keys": ("per query row: visible keys of its attention mask" if cfg.family == "pard"
+                        "num_keys": ("per query row: visible keys of its attention mask" if cfg.family != "dflash"
                                      else "per batch row: sum of the drafter's attention_mask")},
         "target": {"source": str(cfg.target or "smollm2-135m-instruct"), "architecture": t.architectures[0],
                    "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,

@@ -21,8 +21,8 @@ Backends (duck-typed, see runtime/ort_engines.py, runtime/torch_engines.py and t
   target:  vocab_size, max_positions, new_cache(), forward(caches, tokens) -> (logits [b, q, V], feats [b, q, F])
   drafter: vocab_size, num_draft_tokens, max_positions, verification, new_cache(), can_draft(committed),
            draft(caches, bonus_tokens, contexts[, query_scale=[bool per row]]) -> logits [b, K, V_drafter];
-           optional ``context = "tokens"``: contexts are each row's committed token ids before x_s (PARD) instead
-           of target features
+           optional ``context``: "tokens" = each row's committed token ids before x_s (PARD) instead of target
+           features; "features_and_tokens" = (target features, committed token ids) per row (EAGLE-3)
 """
 from __future__ import annotations
 
@@ -143,11 +143,11 @@ class SpecEngine:
                 torch.set_num_threads(threads)
             target, drafter = torch_pair_from_manifest(manifest, device, base_dir=engine_dir)
         else:
-            from runtime.ort_engines import OrtDFlashDrafter, OrtPardDrafter, OrtTarget
+            from runtime.ort_engines import OrtDFlashDrafter, OrtEagle3Drafter, OrtPardDrafter, OrtTarget
 
             target = OrtTarget(engine_dir, manifest, device, threads)
             family = manifest["drafter"].get("family", "dflash")
-            drafter_cls = {"dflash": OrtDFlashDrafter, "pard": OrtPardDrafter}.get(family)
+            drafter_cls = {"dflash": OrtDFlashDrafter, "pard": OrtPardDrafter, "eagle3": OrtEagle3Drafter}.get(family)
             if drafter_cls is None:
                 from runtime.manifest import EngineDirError
 
@@ -274,8 +274,11 @@ class SpecEngine:
         qs: list[np.ndarray | None] = [None] * len(seqs)
         if drafting:
             rows = [seqs[i] for i in drafting]
-            if getattr(self.drafter, "context", "target_features") == "tokens":  # PARD: committed token ids
+            kind = getattr(self.drafter, "context", "target_features")
+            if kind == "tokens":  # PARD: committed token ids
                 contexts = [np.asarray(s.prompt_ids + s.out[:-1], np.int64) for s in rows]
+            elif kind == "features_and_tokens":  # EAGLE-3: (features not cached yet, committed token ids)
+                contexts = [(s.pending_ctx, np.asarray(s.prompt_ids + s.out[:-1], np.int64)) for s in rows]
             else:  # DFlash: target features of the positions the drafter has not cached
                 contexts = [s.pending_ctx for s in rows]
             args = ([s.drafter_cache for s in rows], [s.out[-1] for s in rows], contexts)

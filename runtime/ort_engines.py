@@ -322,3 +322,109 @@ class OrtPardDrafter(_Graph):
         logits, *present = self.session.run(self.out_names, feed)
         _unpad_present(present, caches, l_max, lens)
         return logits
+
+
+class OrtEagle3Drafter(_Graph):
+    """EAGLE-3 drafter: an ``fc`` graph and a step graph (export/graphs.py ``export_eagle3_drafter``), chain drafting.
+
+    Drafter position p holds the pair (token p + 1, target feature h_p). One round at bonus position s:
+      1. context pass: the pairs of the positions the cache lacks (tokens up to the bonus x_s, ``fc`` of their
+         target features) in one batched call; the last row's draft is d_1 and its output is recycled;
+      2. K - 1 chain steps: one query per row at the next position, input (d_{j-1}, previous output), no ``fc``;
+      3. the chain steps' K/V are dropped (the cache keeps committed positions only).
+    Drafts are the draft head's argmax mapped to target ids (``d2t`` in the graph), as vLLM / TensorRT-LLM chain
+    drafting does; the returned logits put all mass on them (q is one-hot), so greedy and rejection-sampled
+    verification stay exact. Per query row beta is computed in-graph from the causal mask (N = position + 1).
+    """
+
+    family = "eagle3"
+    verification = "rejection"
+    context = "features_and_tokens"
+
+    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
+        import onnxruntime as ort
+
+        d = manifest["drafter"]
+        cfg = d["config"]
+        graph = manifest["graphs"]["drafter"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        super().__init__(engine_dir, graph, (1, cfg["num_key_value_heads"], hd), device, threads)
+        self.fc = ort.InferenceSession(str(engine_dir / manifest["graphs"]["drafter_fc"]["file"]),
+                                       session_options(threads), providers=providers(device))
+        self.num_draft_tokens = int(d["num_draft_tokens"])
+        self.max_positions = int(cfg.get("max_position_embeddings", 2048))
+        self.vocab_size = int(manifest["target"]["vocab_size"])
+        self.query_scaled = bool(manifest["query_scale"]["enabled"])
+        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
+        target_graph = engine_dir / manifest["graphs"]["target"]["file"]
+        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()
+                       if name in graph["inputs"]}
+
+    def can_draft(self, committed: int) -> bool:
+        """True when the chain's last position (committed - 1 + K - 1) fits the drafter's positions."""
+        return committed + self.num_draft_tokens - 1 <= self.max_positions
+
+    def _step(self, caches, ids, hidden, pos, lens, flags, keep):
+        """One step-graph call; rows right-padded to the longest; appends ``keep[r]`` rows' K/V to each cache."""
+        b, q = ids.shape
+        past, l_max = _pad_caches(caches)
+        mask = np.zeros((b, l_max + q), np.int64)
+        for r, (cache, n) in enumerate(zip(caches, lens)):
+            mask[r, : cache.length] = 1
+            mask[r, l_max: l_max + n] = 1
+        feed = {"input_ids": ids, "hidden": hidden, "position_ids": pos, "attention_mask": mask,
+                "logits_start": np.asarray(lens, np.int64) - 1}
+        if self.query_scale_switch:
+            feed["query_scale_enabled"] = np.asarray(flags, np.float32)
+        feed.update(zip(self.kv_names, past))
+        feed.update(self.shared)
+        _, token, hidden_out, *present = self.session.run(self.out_names, feed)
+        _unpad_present(present, caches, l_max, keep)
+        return token[:, 0], hidden_out
+
+    def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[tuple[np.ndarray, np.ndarray]],
+              query_scale: list[bool] | None = None) -> np.ndarray:
+        """Draft K tokens after each row's bonus token by chain drafting.
+
+        Args:
+            caches: per row, the drafter cache of positions 0 .. kv_len - 1.
+            bonus_tokens: per row the bonus token x_s.
+            contexts: per row (target features ``[s - kv_len, 3 * target_hidden]`` f32 of positions kv_len .. s - 1,
+                committed token ids ``[s]`` int64 before the bonus).
+            query_scale: per row, False = beta 1 via ``query_scale_enabled``; None = on for every row.
+        Returns:
+            logits ``[batch, K, vocab]`` f32: 0 at each draft token, -inf elsewhere.
+        Raises:
+            ValueError: a row has no pending position, or asks for the scale off without a switch input.
+        """
+        flags = [True] * len(caches) if query_scale is None else list(query_scale)
+        if not all(flags) and self.query_scaled and not self.query_scale_switch:
+            raise ValueError("this drafter graph has no query_scale_enabled input; re-export the engines folder")
+        b, k = len(caches), self.num_draft_tokens
+        lens = [feats.shape[0] for feats, _ in contexts]
+        if min(lens) < 1:
+            raise ValueError("EAGLE-3 drafting needs at least one pending position per row (the bonus pair)")
+        starts = [c.length for c in caches]
+        q = max(lens)
+        feats = np.zeros((b, q, contexts[0][0].shape[1]), np.float32)
+        ids = np.zeros((b, q), np.int64)
+        pos = np.zeros((b, q), np.int64)
+        for r, ((f, hist), bonus) in enumerate(zip(contexts, bonus_tokens)):
+            n, c = lens[r], starts[r]
+            feats[r, :n] = f
+            ids[r, :n] = [*np.asarray(hist[c + 1:], np.int64).tolist(), int(bonus)]  # token p + 1 at position p
+            pos[r] = np.minimum(np.arange(c, c + q), self.max_positions - 1)
+        (hidden,) = self.fc.run(["hidden"], {"target_features": feats})
+        token, out = self._step(caches, ids, hidden, pos, lens, flags, lens)
+        drafts = [token]
+        committed = [c + n for c, n in zip(starts, lens)]
+        for j in range(1, k):
+            p = np.asarray([[min(c + j - 1, self.max_positions - 1)] for c in committed], np.int64)
+            token, out = self._step(caches, drafts[-1][:, None].astype(np.int64), out, p, [1] * b, flags, [1] * b)
+            drafts.append(token)
+        for cache, c in zip(caches, committed):
+            cache.truncate(c)  # chain positions were never verified
+        logits = np.full((b, k, self.vocab_size), -np.inf, np.float32)
+        for j, tok in enumerate(drafts):
+            logits[np.arange(b), j, tok] = 0.0
+        return logits

@@ -147,3 +147,55 @@ def tiny_pard_engines(tmp_path_factory, tiny_target_dir, tiny_pard_dir) -> Path:
     run_export(ExportConfig(family="pard", out=out, checkpoint=tiny_pard_dir, target=str(tiny_target_dir),
                             ref_keys=64, num_draft_tokens=4))
     return out
+
+
+def write_tiny_eagle3(path: Path, target_dir: Path, *, draft_vocab: int = 4096, seed: int = 3) -> Path:
+    """A tiny EAGLE-3 drafter for the tiny target in the official layout (``midlayer.*``, d2t/t2d, no embedding:
+    the target's is borrowed), taps ``eagle_aux_hidden_state_layer_ids`` [1, 2, 3], rope_theta absent (10000)."""
+    from safetensors.torch import save_file
+
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    h, hd, nh, nkv = tcfg["hidden_size"], tcfg["head_dim"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    inter, vocab = tcfg["intermediate_size"], tcfg["vocab_size"]
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": inter, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd,
+           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+           "target_hidden_size": h, "max_position_embeddings": 4096,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}}
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    p = "midlayer."
+    state = {"fc.weight": w(h, 3 * h), "norm.weight": 1 + w(h), "lm_head.weight": w(draft_vocab, h) * 5,
+             p + "self_attn.q_proj.weight": w(nh * hd, 2 * h), p + "self_attn.k_proj.weight": w(nkv * hd, 2 * h),
+             p + "self_attn.v_proj.weight": w(nkv * hd, 2 * h), p + "self_attn.o_proj.weight": w(h, nh * hd),
+             p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+             p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": 1 + w(h),
+             p + "hidden_norm.weight": 1 + w(h), p + "post_attention_layernorm.weight": 1 + w(h)}
+    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    state["d2t"] = ids - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    state["t2d"] = t2d
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    return write_tiny_eagle3(tmp_path_factory.mktemp("tiny_eagle3"), tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_engines(tmp_path_factory, tiny_target_dir, tiny_eagle3_dir) -> Path:
+    """An engines/ folder exported from the tiny target + tiny EAGLE-3 drafter (ref_keys 64, K = 4)."""
+    from export.pipeline import ExportConfig, run_export
+
+    out = tmp_path_factory.mktemp("eagle3_engines") / "engines"
+    run_export(ExportConfig(family="eagle3", out=out, checkpoint=tiny_eagle3_dir, target=str(tiny_target_dir),
+                            ref_keys=64, num_draft_tokens=4))
+    return out

@@ -184,6 +184,15 @@ class Eagle3Drafter(nn.Module):
             (logits ``[batch, q, draft_vocab]`` f32, out ``[batch, q, hidden]`` (pre-``norm``: recycled into the next
             chain step), (k, v) over past + q).
         """
+        out, kv = self.body(input_ids, hidden, position_ids, attention_mask, past_kv, embed_weight, beta)
+        return self.head(out), out, kv
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output ``[..., hidden]`` -> draft-vocabulary logits ``[..., draft_vocab]``."""
+        return self.lm_head(self.norm(out))
+
+    def body(self, input_ids, hidden, position_ids, attention_mask, past_kv=None, embed_weight=None, beta=None):
+        """The decoder layer of :meth:`forward` without the head: (out ``[batch, q, hidden]``, (k, v))."""
         b, q = input_ids.shape
         cfg = self.config
         table = embed_weight if embed_weight is not None else self.embed_tokens.weight
@@ -197,8 +206,7 @@ class Eagle3Drafter(nn.Module):
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
         attn, k, v = layer.self_attn(x, cos, sin, past_kv[0], past_kv[1], add_mask, beta)
         h = hidden + attn
-        out = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(out)), out, (k, v)
+        return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
 
 
 def causal_mask(attention_mask: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:
