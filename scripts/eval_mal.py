@@ -16,6 +16,7 @@ design (the distribution, not the tokens, is preserved: tests/runtime/test_sampl
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -41,9 +42,12 @@ END_TOKEN = 3500
 @click.option("--verification", default=None, type=click.Choice(VERIFICATION_SCHEMES),
               help="sampled verification scheme (default: the drafter's)")
 @click.option("--seed", default=0, help="base seed; prompt i uses seed + i")
+@click.option("--end-token", default=END_TOKEN, help="document prompts end at this token of each document")
+@click.option("--compare-query-scale", is_flag=True,
+              help="also run every prompt with the query scale switched off (frozen drafter), same engines")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature: float, top_p: float,
-         verification: str | None, seed: int, json_out: Path | None):
+         verification: str | None, seed: int, end_token: int, compare_query_scale: bool, json_out: Path | None):
     engine = SpecEngine.from_dir(engine_dir)
     if verification:
         engine.verification = verification
@@ -53,7 +57,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     for name, text in docs.items():
         if name.endswith("_gut_f"):
             continue  # one edition per play
-        ids = tok.encode(text)[:END_TOKEN]
+        ids = tok.encode(text)[:end_token]
         prompts[name] = ids[-context:]
     for i, ids in enumerate(chat_prompts("heldout", tok, n=chat, seed=0)):
         prompts[f"chat{i}"] = ids
@@ -66,10 +70,19 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
         if params.greedy and spec.token_ids != base.token_ids:
             raise SystemExit(f"{name}: speculative output differs from target-only greedy (lossless broken)")
         s = spec.stats
-        rows.append({"prompt": name, "prompt_tokens": len(ids), "new_tokens": len(spec.token_ids),
-                     "mal": round(s.mean_accepted_length, 4), "acceptance": s.acceptance_per_position,
-                     "spec_tok_s": round(s.tokens_per_s, 2), "target_tok_s": round(base.stats.tokens_per_s, 2)})
-        click.echo(f"{name:28s} ctx {len(ids):5d}  MAL {s.mean_accepted_length:.3f}  "
+        row = {"prompt": name, "prompt_tokens": len(ids), "new_tokens": len(spec.token_ids),
+               "mal": round(s.mean_accepted_length, 4), "acceptance": s.acceptance_per_position,
+               "spec_tok_s": round(s.tokens_per_s, 2), "target_tok_s": round(base.stats.tokens_per_s, 2)}
+        extra = ""
+        if compare_query_scale:
+            frozen = engine.generate(ids, params=dataclasses.replace(params, query_scale=False))
+            if params.greedy and frozen.token_ids != base.token_ids:
+                raise SystemExit(f"{name}: frozen speculative output differs from target-only greedy")
+            row["mal_frozen"] = round(frozen.stats.mean_accepted_length, 4)
+            row["frozen_tok_s"] = round(frozen.stats.tokens_per_s, 2)
+            extra = f" (frozen {row['mal_frozen']:.3f})"
+        rows.append(row)
+        click.echo(f"{name:28s} ctx {len(ids):5d}  MAL {s.mean_accepted_length:.3f}{extra}  "
                    f"{s.tokens_per_s:6.1f} vs {base.stats.tokens_per_s:6.1f} tokens/s")
     doc_rows = [r for r in rows if not r["prompt"].startswith("chat")]
     summary = {"engine": str(engine_dir), "context": context, "new_tokens": new_tokens,
@@ -80,8 +93,14 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
                "speedup_geomean": round(statistics.geometric_mean(r["spec_tok_s"] / r["target_tok_s"]
                                                                   for r in rows), 4),
                "rows": rows}
+    if compare_query_scale:
+        summary["mal_documents_frozen"] = round(statistics.mean(r["mal_frozen"] for r in doc_rows), 4)
+        summary["mal_all_frozen"] = round(statistics.mean(r["mal_frozen"] for r in rows), 4)
     click.echo(f"mean MAL: documents {summary['mal_documents']:.3f}, all {summary['mal_all']:.3f}; "
                f"speedup (geo-mean) {summary['speedup_geomean']:.3f}x")
+    if compare_query_scale:
+        click.echo(f"frozen drafter MAL: documents {summary['mal_documents_frozen']:.3f}, "
+                   f"all {summary['mal_all_frozen']:.3f}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(summary, indent=1))
