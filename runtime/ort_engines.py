@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from runtime.kv_cache import KVCache, pad_caches, unpad_present  # noqa: F401 - KVCache re-exported
+
 from runtime.manifest import read_initializer
 
 
@@ -44,49 +46,6 @@ def providers(device: str = "auto") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-class KVCache:
-    """One sequence's KV cache of one graph: ``kv[2 * layer + {0: K, 1: V}]`` = ``[1, kv_heads, length, head_dim]``."""
-
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int) -> None:
-        empty = np.zeros((1, kv_heads, 0, head_dim), np.float32)
-        self.kv: list[np.ndarray] = [empty] * (2 * num_layers)
-
-    @property
-    def length(self) -> int:
-        return self.kv[0].shape[2]
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` positions (rollback of rejected tokens; a view, no copy)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.kv = [t[:, :, :length] for t in self.kv]
-
-
-def _pad_caches(caches: list[KVCache]) -> tuple[list[np.ndarray], int]:
-    """Right-pad the rows' caches into batched arrays ``[batch, kv_heads, L_max, head_dim]``; returns (arrays, L_max)."""
-    if len(caches) == 1:
-        return caches[0].kv, caches[0].length
-    l_max = max(c.length for c in caches)
-    out = []
-    for layer in range(len(caches[0].kv)):
-        first = caches[0].kv[layer]
-        buf = np.zeros((len(caches), first.shape[1], l_max, first.shape[3]), first.dtype)
-        for r, c in enumerate(caches):
-            buf[r, :, : c.length] = c.kv[layer][0]
-        out.append(buf)
-    return out, l_max
-
-
-def _unpad_present(present: list[np.ndarray], caches: list[KVCache], l_max: int, new_lens: list[int]) -> None:
-    """Give each row back its old K/V plus its ``new_lens[r]`` real new positions (placeholders dropped)."""
-    if len(caches) == 1:
-        caches[0].kv = [t[:, :, : l_max + new_lens[0]] for t in present]
-        return
-    for r, c in enumerate(caches):
-        old, n = c.length, new_lens[r]
-        c.kv = [np.concatenate([t[r: r + 1, :, :old], t[r: r + 1, :, l_max: l_max + n]], axis=2) for t in present]
-
-
 class _Graph:
     """One ONNX Runtime session of an engines/ folder."""
 
@@ -102,6 +61,21 @@ class _Graph:
 
     def new_cache(self) -> KVCache:
         return KVCache(self.num_layers, self.kv_heads, self.head_dim)
+
+    def _drafter_setup(self, engine_dir: Path, manifest: dict[str, Any], graph: dict[str, Any]) -> None:
+        """Query-scale facts of a drafter graph and the target tensors it borrows (``manifest.shared_weights``)."""
+        self.query_scaled = bool(manifest["query_scale"]["enabled"])
+        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
+        target_graph = engine_dir / manifest["graphs"]["target"]["file"]
+        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()
+                       if name in graph["inputs"]}
+
+    def _row_flags(self, query_scale: list[bool] | None, batch: int) -> list[bool]:
+        """Per-row query-scale switches (None = on). Raises ValueError for off rows without a switch input."""
+        flags = [True] * batch if query_scale is None else list(query_scale)
+        if not all(flags) and self.query_scaled and not self.query_scale_switch:
+            raise ValueError("this drafter graph has no query_scale_enabled input; re-export the engines folder")
+        return flags
 
 
 class OrtTarget(_Graph):
@@ -135,7 +109,7 @@ class OrtTarget(_Graph):
                 raise ValueError(f"sequence of {c.length + n} tokens exceeds the target's {self.max_positions} "
                                  "positions")
         b, q = len(tokens), max(lens)
-        past, l_max = _pad_caches(caches)
+        past, l_max = pad_caches(caches)
         ids = np.zeros((b, q), np.int64)
         pos = np.zeros((b, q), np.int64)
         mask = np.zeros((b, l_max + q), np.int64)
@@ -148,7 +122,7 @@ class OrtTarget(_Graph):
         feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
         feed.update(zip(self.kv_names, past))
         logits, taps, *present = self.session.run(self.out_names, feed)
-        _unpad_present(present, caches, l_max, lens)
+        unpad_present(present, caches, l_max, lens)
         return logits, taps
 
 
@@ -173,10 +147,7 @@ class OrtDFlashDrafter(_Graph):
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
         self.batched = "attention_mask" in graph["inputs"]
-        self.query_scaled = bool(manifest["query_scale"]["enabled"])
-        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
-        target_graph = engine_dir / manifest["graphs"]["target"]["file"]
-        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()}
+        self._drafter_setup(engine_dir, manifest, graph)
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
 
     def can_draft(self, committed: int) -> bool:
@@ -199,9 +170,7 @@ class OrtDFlashDrafter(_Graph):
         Raises:
             ValueError: a row asks for the scale off and the graph has no switch input.
         """
-        flags = [True] * len(caches) if query_scale is None else list(query_scale)
-        if not all(flags) and self.query_scaled and not self.query_scale_switch:
-            raise ValueError("this drafter graph has no query_scale_enabled input; re-export the engines folder")
+        flags = self._row_flags(query_scale, len(caches))
         if not self.batched:
             return np.concatenate([self._draft_rows([c], [b], [x], [f]) for c, b, x, f in
                                    zip(caches, bonus_tokens, contexts, flags)])
@@ -211,7 +180,7 @@ class OrtDFlashDrafter(_Graph):
         b, blk = len(caches), self.block_size
         ctx_lens = [x.shape[0] for x in contexts]
         c_max = max(ctx_lens)
-        past, l_max = _pad_caches(caches)
+        past, l_max = pad_caches(caches)
         ids = np.full((b, blk), self.mask_token_id, np.int64)
         ids[:, 0] = bonus_tokens
         hidden = np.zeros((b, c_max, contexts[0].shape[1]), np.float32)
@@ -233,7 +202,7 @@ class OrtDFlashDrafter(_Graph):
         feed.update(zip(self.kv_names, past))
         feed.update(self.shared)
         logits, *present = self.session.run(self.out_names, feed)
-        _unpad_present(present, caches, l_max, ctx_lens)
+        unpad_present(present, caches, l_max, ctx_lens)
         return logits
 
 
@@ -267,11 +236,7 @@ class OrtPardDrafter(_Graph):
         self.pard_token = int(d["pard_token"])
         self.max_positions = int(cfg["max_position_embeddings"])
         self.vocab_size = int(cfg["vocab_size"])
-        self.query_scaled = bool(manifest["query_scale"]["enabled"])
-        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
-        target_graph = engine_dir / manifest["graphs"]["target"]["file"]
-        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()
-                       if name in graph["inputs"]}
+        self._drafter_setup(engine_dir, manifest, graph)
 
     def can_draft(self, committed: int) -> bool:
         """True when the K-1 mask slots after the bonus token (position ``committed``) fit the drafter."""
@@ -292,9 +257,7 @@ class OrtPardDrafter(_Graph):
         Raises:
             ValueError: a row's history is shorter than its cache, or asks for the scale off without a switch input.
         """
-        flags = [True] * len(caches) if query_scale is None else list(query_scale)
-        if not all(flags) and self.query_scaled and not self.query_scale_switch:
-            raise ValueError("this drafter graph has no query_scale_enabled input; re-export the engines folder")
+        flags = self._row_flags(query_scale, len(caches))
         k = self.num_draft_tokens
         rows = []
         for cache, bonus, hist in zip(caches, bonus_tokens, contexts):
@@ -303,7 +266,7 @@ class OrtPardDrafter(_Graph):
             rows.append([*np.asarray(hist[cache.length:], np.int64).tolist(), int(bonus)])
         lens = [len(r) for r in rows]  # real tokens fed per row (kept in the cache)
         b, q = len(rows), max(lens) + k - 1
-        past, l_max = _pad_caches(caches)
+        past, l_max = pad_caches(caches)
         ids = np.full((b, q), self.pard_token, np.int64)
         pos = np.zeros((b, q), np.int64)
         mask = np.zeros((b, l_max + q), np.int64)
@@ -320,7 +283,7 @@ class OrtPardDrafter(_Graph):
         feed.update(zip(self.kv_names, past))
         feed.update(self.shared)
         logits, *present = self.session.run(self.out_names, feed)
-        _unpad_present(present, caches, l_max, lens)
+        unpad_present(present, caches, l_max, lens)
         return logits
 
 
@@ -354,11 +317,7 @@ class OrtEagle3Drafter(_Graph):
         self.num_draft_tokens = int(d["num_draft_tokens"])
         self.max_positions = int(cfg.get("max_position_embeddings", 2048))
         self.vocab_size = int(manifest["target"]["vocab_size"])
-        self.query_scaled = bool(manifest["query_scale"]["enabled"])
-        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
-        target_graph = engine_dir / manifest["graphs"]["target"]["file"]
-        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()
-                       if name in graph["inputs"]}
+        self._drafter_setup(engine_dir, manifest, graph)
 
     def can_draft(self, committed: int) -> bool:
         """True when the chain's last position (committed - 1 + K - 1) fits the drafter's positions."""
@@ -367,7 +326,7 @@ class OrtEagle3Drafter(_Graph):
     def _step(self, caches, ids, hidden, pos, lens, flags, keep):
         """One step-graph call; rows right-padded to the longest; appends ``keep[r]`` rows' K/V to each cache."""
         b, q = ids.shape
-        past, l_max = _pad_caches(caches)
+        past, l_max = pad_caches(caches)
         mask = np.zeros((b, l_max + q), np.int64)
         for r, (cache, n) in enumerate(zip(caches, lens)):
             mask[r, : cache.length] = 1
@@ -379,7 +338,7 @@ class OrtEagle3Drafter(_Graph):
         feed.update(zip(self.kv_names, past))
         feed.update(self.shared)
         _, token, hidden_out, *present = self.session.run(self.out_names, feed)
-        _unpad_present(present, caches, l_max, keep)
+        unpad_present(present, caches, l_max, keep)
         return token[:, 0], hidden_out
 
     def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[tuple[np.ndarray, np.ndarray]],
@@ -397,9 +356,7 @@ class OrtEagle3Drafter(_Graph):
         Raises:
             ValueError: a row has no pending position, or asks for the scale off without a switch input.
         """
-        flags = [True] * len(caches) if query_scale is None else list(query_scale)
-        if not all(flags) and self.query_scaled and not self.query_scale_switch:
-            raise ValueError("this drafter graph has no query_scale_enabled input; re-export the engines folder")
+        flags = self._row_flags(query_scale, len(caches))
         b, k = len(caches), self.num_draft_tokens
         lens = [feats.shape[0] for feats, _ in contexts]
         if min(lens) < 1:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from plugins.rule import QueryScaleProfile
+from runtime.kv_cache import KVCache, pad_caches, unpad_present
 
 
 def torch_device(device: str = "auto") -> torch.device:
@@ -35,48 +36,12 @@ def torch_device(device: str = "auto") -> torch.device:
     return torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
-class TorchKVCache:
-    """One sequence's KV cache of one model: ``kv[2 * layer + {0: K, 1: V}]`` = ``[1, kv_heads, length, head_dim]``
-    float32 tensors on the model's device."""
+class TorchKVCache(KVCache):
+    """:class:`runtime.kv_cache.KVCache` of float32 torch tensors ``[1, kv_heads, length, head_dim]`` on ``device``."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device) -> None:
-        empty = torch.zeros((1, kv_heads, 0, head_dim), dtype=torch.float32, device=device)
-        self.kv: list[torch.Tensor] = [empty] * (2 * num_layers)
-
-    @property
-    def length(self) -> int:
-        return self.kv[0].shape[2]
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` positions (rollback; a view). Raises ValueError outside [0, length]."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.kv = [t[:, :, :length] for t in self.kv]
-
-
-def _pad_caches(caches: list[TorchKVCache]) -> tuple[list[torch.Tensor], int]:
-    """Right-pad the rows' caches into ``[batch, kv_heads, L_max, head_dim]`` tensors; returns (tensors, L_max)."""
-    if len(caches) == 1:
-        return caches[0].kv, caches[0].length
-    l_max = max(c.length for c in caches)
-    out = []
-    for layer in range(len(caches[0].kv)):
-        first = caches[0].kv[layer]
-        buf = first.new_zeros((len(caches), first.shape[1], l_max, first.shape[3]))
-        for r, c in enumerate(caches):
-            buf[r, :, : c.length] = c.kv[layer][0]
-        out.append(buf)
-    return out, l_max
-
-
-def _unpad_present(present: list[torch.Tensor], caches: list[TorchKVCache], l_max: int, new_lens: list[int]) -> None:
-    """Give each row back its old K/V plus its ``new_lens[r]`` real new positions (padding/placeholders dropped)."""
-    if len(caches) == 1:
-        caches[0].kv = [t[:, :, : l_max + new_lens[0]] for t in present]
-        return
-    for r, c in enumerate(caches):
-        old, n = c.length, new_lens[r]
-        c.kv = [torch.cat([t[r: r + 1, :, :old], t[r: r + 1, :, l_max: l_max + n]], dim=2) for t in present]
+        super().__init__(num_layers, kv_heads, head_dim,
+                         torch.zeros((1, kv_heads, 0, head_dim), dtype=torch.float32, device=device))
 
 
 class TorchTarget:
@@ -158,7 +123,7 @@ class TorchTarget:
                 raise ValueError(f"sequence of {c.length + n} tokens exceeds the target's {self.max_positions} "
                                  "positions")
         b, q = len(tokens), max(lens)
-        past, l_max = _pad_caches(caches)
+        past, l_max = pad_caches(caches)
         ids = torch.zeros((b, q), dtype=torch.int64)
         pos = torch.zeros((b, q), dtype=torch.int64)
         mask = torch.zeros((b, l_max + q), dtype=torch.int64)
@@ -179,7 +144,7 @@ class TorchTarget:
         taps = torch.cat([out.hidden_states[i + 1] for i in self.tap_ids], dim=-1)
         kv = out["cache"] if "cache" in out else out["past_key_values"]
         present = [t for layer in kv.layers for t in (layer.keys, layer.values)]
-        _unpad_present(present, caches, l_max, lens)
+        unpad_present(present, caches, l_max, lens)
         return out.logits.float().cpu().numpy(), taps.float().cpu().numpy()
 
 
@@ -289,7 +254,7 @@ class TorchDFlashDrafter:
             if not self.can_draft(c.length + n):
                 raise ValueError(f"a block at position {c.length + n} passes the drafter's {self.max_positions}")
         c_max = max(ctx_lens)
-        past, l_max = _pad_caches(caches)
+        past, l_max = pad_caches(caches)
         ids = torch.full((b, blk), self.mask_token_id, dtype=torch.int64)
         ids[:, 0] = torch.tensor([int(t) for t in bonus_tokens], dtype=torch.int64)
         feat_dim = self.model.fc.in_features
@@ -319,7 +284,7 @@ class TorchDFlashDrafter:
             beta = torch.where(torch.tensor(flags, device=dev), beta, torch.ones_like(beta))
             h, new_kv = self.model(emb, hidden, pos, past_kv, key_mask=mask, query_scale=beta[:, None, None, None])
         logits = torch.matmul(h[:, 1:], self.lm_head_weight.transpose(0, 1))
-        _unpad_present([t for pair in new_kv for t in pair], caches, l_max, ctx_lens)
+        unpad_present([t for pair in new_kv for t in pair], caches, l_max, ctx_lens)
         return logits.float().cpu().numpy()
 
 
