@@ -156,8 +156,6 @@ class PardForExport(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, logits_start, past: list[torch.Tensor],
                 embed_weight=None):
-        from runtime.models.pard import PardDrafter  # noqa: F401 - the type this wraps
-
         d = self.drafter
         cache_kwarg = _cache_kwarg(d.model.model)
         from transformers import DynamicCache

@@ -90,7 +90,7 @@ def read_initializer(onnx_path: Path, name: str) -> np.ndarray:
         if init.data_location != onnx.TensorProto.EXTERNAL or "location" not in info:
             raise EngineDirError(f"{onnx_path}: initializer {name!r} is not stored as external data")
         dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-        offset, count = int(info.get("offset", 0)), int(np.prod(init.dims))
+        offset = int(info.get("offset", 0))
         return np.memmap(onnx_path.parent / info["location"], dtype=dtype, mode="r", offset=offset,
                          shape=tuple(init.dims))
     raise EngineDirError(f"{onnx_path}: no initializer named {name!r} (manifest and graph disagree; re-export)")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +367,28 @@ class DFlashDrafter(nn.Module):
         return self.norm(h), new_kv
 
 
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in checkpoint folder ``path``.
+
+    Raises:
+        CheckpointError: no safetensors file, or one is corrupt / unreadable (named).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights next to config.json")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e}); re-download or re-train it") \
+                from e
+    return state
+
+
 def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = torch.float32,
                 attention_impl: str = "eager") -> DFlashDrafter:
     """Load a DFlash checkpoint folder (``config.json`` + ``*.safetensors``) in the public key layout.
@@ -380,9 +401,6 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
         ValueError: an unknown ``attention_impl``.
     """
     _check_impl(attention_impl)
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder (check the path)")
@@ -394,16 +412,7 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
         cfg = DFlashConfig.from_dict(json.loads(cfg_file.read_text()))
     except (json.JSONDecodeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{cfg_file}: invalid DFlash config: {e}") from e
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weights next to config.json")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e}); re-download or re-train it") \
-                from e
+    state = read_safetensors(path)
     for old, new in (("midlayer.", "layers.0."), ("encoder.fc.", "fc.")):  # third-party variants (vLLM mapping)
         state = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
     model = DFlashDrafter(cfg, attention_impl)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.dflash import CheckpointError, RMSNorm, apply_rope, rope_cos_sin
+from runtime.models.dflash import CheckpointError, DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -122,22 +122,11 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out), k, v
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.self_attn = Eagle3Attention(cfg)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = DFlashMLP(cfg)  # the same SwiGLU (hidden_size, intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

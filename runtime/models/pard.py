@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.dflash import CheckpointError
+from runtime.models.dflash import CheckpointError, read_safetensors
 
 
 def pard_token_of(config: dict[str, Any]) -> int:
@@ -122,8 +122,6 @@ def load_pard(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PardDr
         CheckpointError: folder / config / weights missing or unreadable, no ``pard_token``, an architecture
             transformers cannot build, keys missing or unexpected (listed), shapes not matching the config.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -147,15 +145,7 @@ def load_pard(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PardDr
         raise CheckpointError(f"{cfg_file}: transformers cannot build model_type {model_type!r} ({e}); PARD "
                               "drafters are Llama / Qwen2 / Qwen3 causal LMs") from e
     drafter = PardDrafter(model, pard_token, borrow)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weights next to config.json")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e})") from e
+    state = read_safetensors(path)
     state = {("model." + k if not k.startswith("mask_embedding") else k): v for k, v in state.items()}
     expected = drafter.state_dict()
     optional = set()

@@ -16,7 +16,6 @@ import torch
 
 from plugins import tensorrt_plugin as tp
 from plugins.attention_ref import attention_ref
-from plugins.rule import QueryScaleProfile
 
 ta = pytest.importorskip("plugins.triton_attention")
 if ta.triton is None:

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.models.dflash import CheckpointError
-from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, load_eagle3, row_beta
+from runtime.models.eagle3 import default_aux_layer_ids, load_eagle3, row_beta
 
 V, VD, H = 200, 50, 32
 
