@@ -70,6 +70,19 @@ class _Graph:
         self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()
                        if name in graph["inputs"]}
 
+    def _run_drafter(self, feed: dict, flags: list[bool], past: list, caches: list[KVCache], l_max: int,
+                     keep: list[int]) -> list[np.ndarray]:
+        """Run the drafter graph with the switch, KV and borrowed tensors added; give each row back its old K/V plus
+        its ``keep[r]`` real new positions; return the outputs before the present K/V."""
+        if self.query_scale_switch:
+            feed["query_scale_enabled"] = np.asarray(flags, np.float32)
+        feed.update(zip(self.kv_names, past))
+        feed.update(self.shared)
+        outputs = self.session.run(self.out_names, feed)
+        n = len(outputs) - len(self.kv_names)
+        unpad_present(outputs[n:], caches, l_max, keep)
+        return outputs[:n]
+
     def _row_flags(self, query_scale: list[bool] | None, batch: int) -> list[bool]:
         """Per-row query-scale switches (None = on). Raises ValueError for off rows without a switch input."""
         flags = [True] * batch if query_scale is None else list(query_scale)
@@ -197,12 +210,7 @@ class OrtDFlashDrafter(_Graph):
         feed = {"input_ids": ids, "target_hidden": hidden, "position_ids": pos}
         if self.batched:
             feed["attention_mask"] = mask
-        if self.query_scale_switch:
-            feed["query_scale_enabled"] = np.asarray(flags, np.float32)
-        feed.update(zip(self.kv_names, past))
-        feed.update(self.shared)
-        logits, *present = self.session.run(self.out_names, feed)
-        unpad_present(present, caches, l_max, ctx_lens)
+        (logits,) = self._run_drafter(feed, flags, past, caches, l_max, ctx_lens)
         return logits
 
 
@@ -278,12 +286,7 @@ class OrtPardDrafter(_Graph):
             mask[r, l_max: l_max + n + k - 1] = 1  # placeholders after that stay 0
         feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask,
                 "logits_start": np.asarray(lens, np.int64) - 1}
-        if self.query_scale_switch:
-            feed["query_scale_enabled"] = np.asarray(flags, np.float32)
-        feed.update(zip(self.kv_names, past))
-        feed.update(self.shared)
-        logits, *present = self.session.run(self.out_names, feed)
-        unpad_present(present, caches, l_max, lens)
+        (logits,) = self._run_drafter(feed, flags, past, caches, l_max, lens)
         return logits
 
 
@@ -333,12 +336,7 @@ class OrtEagle3Drafter(_Graph):
             mask[r, l_max: l_max + n] = 1
         feed = {"input_ids": ids, "hidden": hidden, "position_ids": pos, "attention_mask": mask,
                 "logits_start": np.asarray(lens, np.int64) - 1}
-        if self.query_scale_switch:
-            feed["query_scale_enabled"] = np.asarray(flags, np.float32)
-        feed.update(zip(self.kv_names, past))
-        feed.update(self.shared)
-        _, token, hidden_out, *present = self.session.run(self.out_names, feed)
-        unpad_present(present, caches, l_max, keep)
+        _, token, hidden_out = self._run_drafter(feed, flags, past, caches, l_max, keep)
         return token[:, 0], hidden_out
 
     def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[tuple[np.ndarray, np.ndarray]],

@@ -389,6 +389,27 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_state(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], *,
+                optional: set[str] = frozenset(), strict: bool = True, show=lambda k: k) -> None:
+    """Compare checkpoint tensors ``state`` with a module's ``expected`` state dict.
+
+    Args:
+        optional: expected keys a checkpoint may omit. ``strict=False`` tolerates missing / unexpected keys.
+        show: how a key is printed in messages (e.g. without a wrapper's prefix).
+    Raises:
+        CheckpointError: keys missing or unexpected (first 8 of each listed), or shapes differing from the config.
+    """
+    missing = sorted(set(expected) - set(state) - set(optional))
+    unexpected = sorted(set(state) - set(expected))
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing "
+                              f"{[show(k) for k in missing][:8]}, unexpected {[show(k) for k in unexpected][:8]}")
+    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+           if k in state and state[k].shape != v.shape]
+    if bad:
+        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")
+
+
 def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = torch.float32,
                 attention_impl: str = "eager") -> DFlashDrafter:
     """Load a DFlash checkpoint folder (``config.json`` + ``*.safetensors``) in the public key layout.
@@ -416,16 +437,7 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
     for old, new in (("midlayer.", "layers.0."), ("encoder.fc.", "fc.")):  # third-party variants (vLLM mapping)
         state = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
     model = DFlashDrafter(cfg, attention_impl)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
-    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-           if k in state and state[k].shape != v.shape]
-    if bad:
-        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")
+    check_state(path, model.state_dict(), state, strict=strict)
     model.load_state_dict(state, strict=strict)
     return model.to(dtype).eval()
 

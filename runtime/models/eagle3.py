@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.dflash import CheckpointError, DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
+from runtime.models.dflash import CheckpointError, DFlashMLP, check_state, RMSNorm, apply_rope, rope_cos_sin
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -270,15 +270,7 @@ def load_eagle3(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Eagl
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[torch.arange(cfg.draft_vocab_size) + state["d2t"].long()] = True
         state["t2d"] = t2d
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
-    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-           if state[k].shape != v.shape]
-    if bad:
-        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")
+    check_state(path, model.state_dict(), state)
     targets = torch.arange(cfg.draft_vocab_size) + state["d2t"].long()
     if targets.min() < 0 or targets.max() >= cfg.vocab_size:
         raise CheckpointError(f"{path}: d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.dflash import CheckpointError, read_safetensors
+from runtime.models.dflash import CheckpointError, check_state, read_safetensors
 
 
 def pard_token_of(config: dict[str, Any]) -> int:
@@ -153,16 +153,8 @@ def load_pard(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PardDr
         optional |= {"model.model.embed_tokens.weight", "model.lm_head.weight"}
     if getattr(config, "tie_word_embeddings", False):
         optional.add("model.lm_head.weight")
-    missing = sorted(set(expected) - set(state) - optional)
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        strip = lambda keys: [k[len("model."):] if k.startswith("model.") else k for k in keys]  # noqa: E731
-        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing {strip(missing)[:8]}, "
-                              f"unexpected {strip(unexpected)[:8]}")
-    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-           if k in state and state[k].shape != v.shape]
-    if bad:
-        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")
+    check_state(path, expected, state, optional=optional,
+                show=lambda k: k[len("model."):] if k.startswith("model.") else k)
     drafter.load_state_dict(state, strict=False)
     if getattr(config, "tie_word_embeddings", False) and not borrow:
         model.tie_weights()
