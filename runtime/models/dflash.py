@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models import attention_probe
+
 
 class CheckpointError(RuntimeError):
     """A drafter checkpoint is missing, corrupt or does not match its config; the message says what to do."""
@@ -228,6 +230,7 @@ class DFlashAttention(nn.Module):
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
                 else scores + attn_mask
+        attention_probe.emit(self, scores)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
         return self.o_proj(out)

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models import attention_probe
+
 from runtime.models.dflash import CheckpointError, DFlashMLP, check_state, RMSNorm, apply_rope, rope_cos_sin
 
 
@@ -117,6 +119,7 @@ class Eagle3Attention(nn.Module):
         rep = self.nh // self.nkv
         kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = torch.matmul(qs, kr.transpose(-1, -2)) * self.hd ** -0.5 + add_mask
+        attention_probe.emit(self, scores)
         probs = torch.softmax(scores.float(), dim=-1).to(qs.dtype)
         out = torch.matmul(probs, vr).transpose(1, 2).reshape(b, q, self.nh * self.hd)
         return self.o_proj(out), k, v

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import torch
 
 from plugins.rule import QueryScaleProfile, beta_torch
+from runtime.models import attention_probe
 
 ATTN_IMPLEMENTATION = "sharpdraft_eager"
 HIDDEN_BELOW = -1e30  # same threshold rule as export/rules/decomposed.py: max(-1e30, finfo(dtype).min / 2)
@@ -152,7 +153,19 @@ def sharpdraft_eager_attention(module: torch.nn.Module, query: torch.Tensor, key
         query = query * beta.to(device=query.device, dtype=query.dtype)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if attention_probe.active():
+        _emit_scores(module, query, key, attention_mask, scaling)
     return _eager_for(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _emit_scores(module, query, key, attention_mask, scaling) -> None:
+    """Pre-softmax scores ``[batch, heads, q_len, kv_len]`` (mask added) to :mod:`runtime.models.attention_probe`."""
+    rep = query.shape[1] // key.shape[1]
+    scores = torch.matmul(query, key.repeat_interleave(rep, dim=1).transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    attention_probe.emit(module, scores)
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:

