@@ -12,7 +12,9 @@ on real long documents (offline; never the evaluation documents of ``scripts/eva
    query); PARD and EAGLE-3 (causal), the document's query row at position N - 1 (N = position + 1).
 3. Takes the frozen mass at the drafter's training length (``--train-keys``; default the ``ref_keys`` the checkpoint
    ships, else 512) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged),
-   and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap``, ``top_k`` kept).
+   and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap`` e^0.5 and ``top_k`` kept: "fitted"); a
+   variant also frees the cap up to the largest required beta ("fitted-free-cap"; ``--fit-cap`` selects it), which
+   restores the mass at every N instead of stopping at the cap.
 4. Re-runs the drafter with the family's paper profile, the checkpoint's own profile and the fitted one, and
    records the mass and proxy they reach.
 5. Writes ``calibration.json`` and PNG plots (mass vs N per layer; proxy MAL vs N; required vs rule beta) to
@@ -323,9 +325,12 @@ def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_gri
     if not frozen:
         raise CalibrationError("the documents are too short for every grid point")
     ref_n, target_mass, required = _required_betas(frozen_pts, frozen, train_keys, top_k, paper.cap)
-    fitted, rmse = fit_profile([n for n, _ in required], [b for _, b in required], top_k=top_k, cap=paper.cap,
-                               weights=[1.0] * len(required))
-    profiles = {"paper": paper, "fitted": fitted}
+    ns, bs = [n for n, _ in required], [b for _, b in required]
+    fitted, rmse = fit_profile(ns, bs, top_k=top_k, cap=paper.cap)
+    # variant: the cap freed up to the largest required beta (restores the mass at every N, not just up to the cap)
+    free_cap = max(max(bs), 1.0 + 1e-3)
+    fitted_free, rmse_free = fit_profile(ns, bs, top_k=top_k, cap=free_cap)
+    profiles = {"paper": paper, "fitted": fitted, "fitted-free-cap": fitted_free}
     if checkpoint_profile is not None and checkpoint_profile.enabled:
         profiles["checkpoint"] = checkpoint_profile
     scaled = {}
@@ -338,7 +343,8 @@ def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_gri
     return {"family": family, "top_k": top_k, "documents": {k: len(v) for k, v in docs.items()},
             "train_keys": train_keys, "mass_reference_num_keys": ref_n, "mass_to_keep": target_mass,
             "required_beta": [{"num_keys": n, "beta": b} for n, b in required],
-            "fitted_profile": fitted.to_dict(), "fit_rmse": rmse, "frozen": frozen, "scaled": scaled}
+            "fitted_profile": fitted.to_dict(), "fit_rmse": rmse, "fitted_free_cap_profile": fitted_free.to_dict(),
+            "fit_free_cap_rmse": rmse_free, "frozen": frozen, "scaled": scaled}
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -425,10 +431,11 @@ def _engine_sources(engine: Path) -> tuple[str, Path, str | None, dict]:
 @click.option("--threads", type=int, default=None, help="torch threads (default: torch's)")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/calibration"),
               show_default=True, help="folder for calibration.json and the PNG plots")
+@click.option("--fit-cap", is_flag=True, help="print / write the free-cap fit instead of the e^0.5-capped one")
 @click.option("--write-engine", type=click.Path(path_type=Path), default=None,
               help="re-export the drafter+target to this engines/ folder with the fitted profile")
 def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, max_docs, threads, out_dir,
-         write_engine):
+         fit_cap, write_engine):
     """Fit SharpDraft's slope and ref_keys for one drafter on long offline text; plot mass and acceptance vs N."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from export.pipeline import load_drafter
@@ -436,9 +443,12 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
 
     if threads:
         torch.set_num_threads(threads)
+    num_draft_tokens = None
     if engine is not None:
-        family, checkpoint, target_src, _ = _engine_sources(engine)
+        family, checkpoint, target_src, manifest = _engine_sources(engine)
         target = target or target_src
+        if family == "pard":  # keep the folder's K
+            num_draft_tokens = manifest["drafter"].get("num_draft_tokens")
     if family is None or checkpoint is None:
         raise click.UsageError("pass --engine DIR, or --drafter FAMILY --checkpoint DIR")
     model, tok = load_target(None if target in (None, "SmolLM2-135M-Instruct") else target)
@@ -468,9 +478,11 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1))
     paths = plot(result, out_dir)
-    fitted = result["fitted_profile"]
-    click.echo(f"fitted profile: ref_keys {fitted['ref_keys']}, slope {fitted['slope']:g} "
-               f"(rmse {result['fit_rmse']:.4f} in beta)")
+    for key, label in (("fitted", "fitted profile"), ("fitted_free_cap", "fitted profile, free cap")):
+        prof = result[f"{key}_profile"]
+        click.echo(f"{label}: ref_keys {prof['ref_keys']}, slope {prof['slope']:g}, cap {prof['cap']:.4f} "
+                   f"(rmse {result[key.replace('fitted', 'fit') + '_rmse']:.4f} in beta)")
+    fitted = result["fitted_free_cap_profile" if fit_cap else "fitted_profile"]
     for row in result["frozen"]:
         masses = ", ".join(f"{lay['mass']:.3f}" for lay in row["layers"])
         click.echo(f"N {row['num_keys']:5d}  frozen mass [{masses}]  proxy {row['proxy_mal']:.3f}  "
@@ -481,7 +493,8 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
         from export.pipeline import ExportConfig, run_export
 
         run_export(ExportConfig(family=family, out=write_engine, checkpoint=Path(checkpoint), target=target,
-                                ref_keys=fitted["ref_keys"], slope=fitted["slope"]))
+                                ref_keys=fitted["ref_keys"], slope=fitted["slope"], cap=fitted["cap"],
+                                num_draft_tokens=num_draft_tokens))
         click.echo(f"re-exported {write_engine} with the fitted profile")
 
 

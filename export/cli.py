@@ -21,6 +21,7 @@ from export.rewrite import QueryScaleRewriteError
 @click.option("--target", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct wheel)")
 @click.option("--ref-keys", type=int, default=None, help="override ref_keys of the query-scale profile")
 @click.option("--slope", type=float, default=None, help="override slope of the query-scale profile")
+@click.option("--cap", type=float, default=None, help="override cap of the query-scale profile (default e^0.5)")
 @click.option("--no-query-scale", is_flag=True, help="export the frozen drafter (beta = 1), the baseline")
 @click.option("--fused-attention", is_flag=True,
               help="also write drafter_fused/model.onnx with attention + beta as one sharpdraft::QueryScaledAttention "
@@ -28,14 +29,14 @@ from export.rewrite import QueryScaleRewriteError
 @click.option("--num-draft-tokens", type=int, default=None,
               help="PARD: draft tokens per forward, K (static in the graph; default: the checkpoint's, else 8)")
 @click.option("-v", "--verbose", is_flag=True)
-def main(family, out, checkpoint, target, ref_keys, slope, no_query_scale, fused_attention, num_draft_tokens,
+def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
          verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
-                           slope=slope, query_scale=not no_query_scale,
+                           slope=slope, cap=cap, query_scale=not no_query_scale,
                            fused_attention=fused_attention, num_draft_tokens=num_draft_tokens)
         manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:

