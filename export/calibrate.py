@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # only) and the Python reference manual's topics (prose). Evaluation documents (scripts/corpus.py heldout) differ.
 DEFAULT_MODULES = ("email/_header_value_parser.py", "asyncio/base_events.py", "logging/__init__.py")
 DEFAULT_N_GRID = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+TOP_K = QueryScaleProfile().top_k
 ROWS_PER_N = 16  # anchors (DFlash) or query rows (causal) per document and grid point
 
 
@@ -59,8 +60,8 @@ def row_keys(n: int) -> list[int]:
     step = max(1, n // 256)
     return [n - j * step for j in range(ROWS_PER_N) if n - j * step > TOP_K]
 
+
 CAUSAL = ("pard", "eagle3")
-TOP_K = QueryScaleProfile().top_k
 
 
 class CalibrationError(RuntimeError):

@@ -20,7 +20,6 @@ style of the paper's Table 1 (trainable parameters, peak memory, geo-mean speedu
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import resource
