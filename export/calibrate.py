@@ -217,7 +217,8 @@ class _CausalRunner:
                 mask = torch.ones(1, L, dtype=torch.long)
                 beta = None if profile is None else row_beta(mask, L, profile)
                 logits, _, _ = self.d(doc["ids"][None, 1:L + 1], self.d.project(doc["feats"][:, :L]),
-                                      torch.arange(L)[None], mask, embed_weight=self.embed, beta=beta)
+                                      torch.arange(L)[None], mask, beta=beta,
+                                      embed_weight=self.embed if self.d.embed_tokens is None else None)
                 drafted = self.d.draft_to_target[logits[0, rows].argmax(-1)]
                 truth = doc["pred"][[r + 1 for r in rows]]  # row p predicts token p + 2, as the target's row p + 1
         hit = {r: int(drafted[i] == truth[i]) for i, r in enumerate(rows)}
