@@ -34,12 +34,15 @@ class TopKStats:
     Attributes:
         num_keys: N, visible keys of the row.
         mass: top-k attention mass in [0, 1].
+        rest_mass: the mass of the other N - k keys, computed directly (not as 1 - mass, which rounds to 0 when a
+            sink key takes nearly everything), so ``logit(mass) = ln(mass) - ln(rest_mass)`` stays finite.
         contrast: LME(top) - LME(rest), nats.
         contrast_gain: d contrast / d beta at the scores given (nats per unit of beta).
     """
 
     num_keys: torch.Tensor
     mass: torch.Tensor
+    rest_mass: torch.Tensor
     contrast: torch.Tensor
     contrast_gain: torch.Tensor
 
@@ -70,13 +73,14 @@ def topk_stats(scores: torch.Tensor, top_k: int = 32) -> TopKStats:
     lse_rest = torch.logsumexp(rest, -1)
     lse_all = torch.logaddexp(lse_top, lse_rest)
     mass = torch.exp(lse_top - lse_all)
+    rest_mass = torch.exp(lse_rest - lse_all)
     nf = n.to(torch.float64)
     contrast = (lse_top - math.log(top_k)) - (lse_rest - torch.log(nf - top_k))
     p_top = torch.softmax(top, -1)
     p_rest = torch.softmax(rest, -1)
     e_top = (p_top * top).sum(-1)
     e_rest = torch.where(p_rest > 0, p_rest * torch.nan_to_num(rest, neginf=0.0), 0.0).sum(-1)
-    return TopKStats(num_keys=nf, mass=mass, contrast=contrast, contrast_gain=e_top - e_rest)
+    return TopKStats(num_keys=nf, mass=mass, rest_mass=rest_mass, contrast=contrast, contrast_gain=e_top - e_rest)
 
 
 def logit(p: torch.Tensor) -> torch.Tensor:
@@ -86,8 +90,13 @@ def logit(p: torch.Tensor) -> torch.Tensor:
 
 
 def identity_residual(stats: TopKStats, top_k: int = 32) -> torch.Tensor:
-    """``logit(mass) - (contrast - ln((N - k) / k))`` per row: zero up to rounding (float64), by the identity."""
-    return logit(stats.mass) - (stats.contrast - torch.log((stats.num_keys - top_k) / top_k))
+    """``logit(mass) - (contrast - ln((N - k) / k))`` per row: zero up to rounding (float64), by the identity.
+
+    logit(mass) is taken as ``ln(mass) - ln(rest_mass)`` from the two softmax partitions, independently of the
+    log-mean-exp contrast.
+    """
+    return (torch.log(stats.mass) - torch.log(stats.rest_mass)) - (
+        stats.contrast - torch.log((stats.num_keys - top_k) / top_k))
 
 
 def mean_mass_at(scores: torch.Tensor, beta: float, top_k: int = 32) -> float:

@@ -33,6 +33,15 @@ def test_log_odds_identity_holds_to_1e6(keys, hidden, spread):
     assert abs((c0 - c1).item() - st.contrast[0].item()) < 1e-9
 
 
+def test_identity_stays_finite_with_an_attention_sink():
+    s = _scores(keys=1000, spread=1.0)
+    s[:, 0] = 60.0  # a sink: the top-k mass is 1 - 1e-23, i.e. 1.0 in float64
+    st = topk_stats(s, 32)
+    assert bool((st.mass == 1.0).all()) and bool((st.rest_mass > 0).all())
+    assert identity_residual(st, 32).abs().max() < 1e-6
+    torch.testing.assert_close(st.mass + st.rest_mass, torch.ones(6, dtype=torch.float64))
+
+
 def test_masked_fill_value_counts_as_hidden():
     s = _scores(keys=200, hidden=50).to(torch.float32)
     s_fin = torch.where(torch.isfinite(s), s, torch.finfo(torch.float32).min)
