@@ -360,6 +360,13 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     series = {"frozen": result["frozen"], **{k: v["points"] for k, v in result["scaled"].items()}}
     n_layers = len(result["frozen"][0]["layers"])
     paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        paths.append(out_dir / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
     fig, axes = plt.subplots(1, n_layers, figsize=(5 * n_layers, 4), squeeze=False)
     for li in range(n_layers):
         ax = axes[0][li]
@@ -369,10 +376,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set(xscale="log", xlabel="visible keys N", ylabel=f"top-{result['top_k']} attention mass",
                title=f"{result['family']} layer {li}")
         ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "mass_vs_keys.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "mass_vs_keys.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     key = "proxy_mal" if result["family"] == "dflash" else "slot1_agreement"
@@ -382,10 +386,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
            ylabel="teacher-forced proxy MAL" if key == "proxy_mal" else "slot-1 agreement with target",
            title=f"{result['family']}: acceptance proxy vs N")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "proxy_vs_keys.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "proxy_vs_keys.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     req = result["required_beta"]
@@ -398,10 +399,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
                 label=f"{label} (ref {prof.ref_keys}, slope {prof.slope:g})")
     ax.set(xscale="log", xlabel="visible keys N", ylabel="beta", title=f"{result['family']}: beta vs N")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "beta_vs_keys.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "beta_vs_keys.png")
     return paths
 
 
