@@ -12,7 +12,7 @@ greedy tokens. Configurations, each in its own child process (so peak memory is 
 
 Every speculative output is checked token for token against target-only (greedy, fp32: lossless). Writes
 ``bench_long_context.json`` (per prompt and per configuration: MAL, acceptance per position, tokens/s with and
-without prefill, peak RSS), ``mal_vs_context.png`` and ``acceptance_vs_position.png``, and prints a table in the
+without prefill, peak RSS; ``--reuse`` keeps finished configurations of an interrupted run), ``mal_vs_context.png`` and ``acceptance_vs_position.png``, and prints a table in the
 style of the paper's Table 1 (trainable parameters, peak memory, geo-mean speedup vs target-only).
 
   python scripts/bench_long_context.py --engine paper=runs/engines/dflash-paper \\
@@ -146,7 +146,10 @@ def _summary(result: dict) -> dict:
             names = [n for n in rows if n.endswith(f"@{ctx}")]
             entry = {"tokens_per_s": statistics.mean(rows[n]["tokens_per_s"] for n in names),
                      "speedup_geomean": statistics.geometric_mean(rows[n]["tokens_per_s"] / base[n]["tokens_per_s"]
-                                                                  for n in names)}
+                                                                  for n in names),
+                     "decode_speedup_geomean": statistics.geometric_mean(
+                         rows[n]["decode_tokens_per_s"] / base[n]["decode_tokens_per_s"] for n in names),
+                     "prefill_s": statistics.mean(rows[n]["prefill_s"] for n in names)}
             if c != "target-only":
                 entry["mal"] = statistics.mean(rows[n]["mal"] for n in names)
                 width = max(len(rows[n]["acceptance"]) for n in names)
@@ -166,8 +169,11 @@ def _summary(result: dict) -> dict:
 @click.option("--docs", default=None, help="comma-separated held-out document names (default: all six)")
 @click.option("--threads", type=int, default=None)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/long_context"), show_default=True)
+@click.option("--reuse", is_flag=True,
+              help="keep a configuration's earlier run_<label>.json in --out when it covers the same prompts "
+                   "(resume an interrupted benchmark, or re-summarise)")
 @click.option("--worker", hidden=True, default=None)
-def main(engines, contexts, new_tokens, end_token, docs, threads, out, worker):
+def main(engines, contexts, new_tokens, end_token, docs, threads, out, reuse, worker):
     contexts = sorted(int(c) for c in contexts.split(","))
     pairs = []
     for spec in engines:
@@ -195,6 +201,14 @@ def main(engines, contexts, new_tokens, end_token, docs, threads, out, worker):
     configs = [("target-only", pairs[0][1]), ("frozen", pairs[0][1]), *pairs]
     runs = {}
     for label, path in configs:
+        earlier = out / f"run_{label}.json"
+        if reuse and earlier.is_file():
+            run = json.loads(earlier.read_text())
+            if (run["engine"] == str(path) and set(run["rows"]) == set(prompts)
+                    and all(len(r["token_ids"]) <= new_tokens for r in run["rows"].values())):
+                runs[label] = run
+                click.echo(f"{label}: reusing {earlier}")
+                continue
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, "--worker", f"{label}={path}", "--contexts", ",".join(map(str, contexts)),
                "--new-tokens", str(new_tokens), "--end-token", str(end_token), "--out", str(out),
@@ -221,14 +235,16 @@ def main(engines, contexts, new_tokens, end_token, docs, threads, out, worker):
             row.pop("token_ids")
     (out / "bench_long_context.json").write_text(json.dumps(result, indent=1))
     paths = _plots(result, out)
-    head = "| config | " + " | ".join(f"MAL @{c}" for c in contexts) + " | speedup (geo-mean) | peak RSS MB |"
+    head = ("| config | " + " | ".join(f"MAL @{c}" for c in contexts)
+            + " | speedup incl. prefill | decode speedup | peak RSS MB |")
     click.echo(head)
-    click.echo("|" + "---|" * (len(contexts) + 3))
+    click.echo("|" + "---|" * (len(contexts) + 4))
     for c in result["configs"]:
         s = result["summary"][c]
         mals = " | ".join("-" if c == "target-only" else f"{s[str(x)]['mal']:.3f}" for x in contexts)
         geo = statistics.geometric_mean(s[str(x)]["speedup_geomean"] for x in contexts)
-        click.echo(f"| {c} | {mals} | {geo:.3f} | {runs[c]['peak_rss_mb']:.0f} |")
+        dec = statistics.geometric_mean(s[str(x)]["decode_speedup_geomean"] for x in contexts)
+        click.echo(f"| {c} | {mals} | {geo:.3f} | {dec:.3f} | {runs[c]['peak_rss_mb']:.0f} |")
     click.echo(f"trainable drafter parameters: {result['trainable_params'] / 1e6:.2f} M")
     click.echo(f"wrote {out / 'bench_long_context.json'}, {', '.join(p.name for p in paths)}")
 

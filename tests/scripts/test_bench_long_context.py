@@ -28,6 +28,15 @@ def test_bench_long_context_on_tiny_engines(tiny_engines, tmp_path):
     for name in ("mal_vs_context.png", "acceptance_vs_position.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "| frozen |" in r.stdout
+    assert res["summary"]["scaled"]["64"]["decode_speedup_geomean"] > 0
+    # --reuse: every configuration is kept from the run above; only the summary is rebuilt
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_long_context.py"),
+                            "--engine", f"scaled={tiny_engines}", "--contexts", "64,128", "--new-tokens", "6",
+                            "--end-token", "400", "--docs", "argparse.py,hamlet_gut", "--out", str(out), "--reuse"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("reusing") == 3
+    assert json.loads((out / "bench_long_context.json").read_text())["summary"] == res["summary"]
 
 
 def test_bench_refuses_unknown_document(tiny_engines, tmp_path):
