@@ -116,14 +116,12 @@ def _target_pass(target, ids: torch.Tensor, hidden_ids: list[int]) -> tuple[torc
     """(greedy predictions ``[L]`` int64, features ``[1, L, len(hidden_ids) * hidden]`` f32 = hidden_states[i], or
     None without ``hidden_ids``)."""
     with torch.no_grad():
-        out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        out = target(input_ids=ids[None], output_hidden_states=bool(hidden_ids), use_cache=False)
     feats = torch.cat([out.hidden_states[i] for i in hidden_ids], dim=-1) if hidden_ids else None
     return out.logits[0].argmax(-1), feats
 
 
 class _DFlashRunner:
-    family = "dflash"
-
     def __init__(self, drafter, target):
         self.d, self.target = drafter, target
         self.B = drafter.config.block_size
@@ -145,6 +143,8 @@ class _DFlashRunner:
     def run(self, doc: dict, n_values: list[int], profile: QueryScaleProfile | None):
         """Per grid point: ({layer: scores [rows*heads*B... ]}, proxy accepted lengths, slot-1 agreement)."""
         out = []
+        width = len(self.d.config.target_layer_ids) * self.d.config.hidden_size
+        no_new_context = doc["kv"][0][0].new_zeros(1, 0, width)  # every context row is already in the cached K/V
         for n in n_values:
             scores, acc, slot1 = defaultdict(list), [], []
             for nk in row_keys(n):
@@ -157,9 +157,7 @@ class _DFlashRunner:
                 beta = None if profile is None else float(profile.beta(s + self.B))
                 with torch.no_grad(), attention_probe.record(rec):
                     emb = self.d.embed_block(block, self.embed)
-                    hidden = doc["kv"][0][0].new_zeros(1, 0, len(self.d.config.target_layer_ids)
-                                                       * self.d.config.hidden_size)
-                    h, _ = self.d(emb, hidden, torch.arange(s, s + self.B)[None],
+                    h, _ = self.d(emb, no_new_context, torch.arange(s, s + self.B)[None],
                                   [(k[:, :, :s], v[:, :, :s]) for k, v in doc["kv"]], query_scale=beta)
                     drafted = (h[0, 1:] @ self.embed.T).argmax(-1)  # slot j predicts position s + j
                 truth = doc["pred"][s:s + self.B - 1]  # target's greedy token for positions s+1 .. s+B-1
@@ -250,7 +248,7 @@ class _Point:
         self.slot1 += slot1
 
 
-def _summarise(points: list[_Point], top_k: int, with_scores: bool = False) -> list[dict]:
+def _summarise(points: list[_Point], top_k: int) -> list[dict]:
     rows = []
     for p in points:
         if not p.acc:

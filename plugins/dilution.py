@@ -47,6 +47,12 @@ class TopKStats:
     contrast_gain: torch.Tensor
 
 
+def _masked_float64(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` in float64 with every hidden key (<= -1e30, e.g. an additive finfo.min mask) at -inf."""
+    s = scores.to(torch.float64)
+    return torch.where(s > -1e30, s, torch.tensor(-math.inf, dtype=s.dtype, device=s.device))
+
+
 def topk_stats(scores: torch.Tensor, top_k: int = 32) -> TopKStats:
     """Top-k mass, contrast and contrast gain per query row.
 
@@ -61,12 +67,10 @@ def topk_stats(scores: torch.Tensor, top_k: int = 32) -> TopKStats:
     Raises:
         ValueError: a row sees N <= top_k keys (the rest set would be empty; mass is 1 by definition).
     """
-    s = scores.to(torch.float64)
-    visible = s > -1e30
-    n = visible.sum(-1)
+    s = _masked_float64(scores)
+    n = torch.isfinite(s).sum(-1)
     if bool((n <= top_k).any()):
         raise ValueError(f"every row needs more than top_k={top_k} visible keys; min N is {int(n.min())}")
-    s = torch.where(visible, s, torch.tensor(-math.inf, dtype=s.dtype, device=s.device))
     top, idx = s.topk(top_k, dim=-1)
     rest = s.scatter(-1, idx, -math.inf)  # the top keys removed; hidden keys stay -inf
     lse_top = torch.logsumexp(top, -1)
@@ -83,12 +87,6 @@ def topk_stats(scores: torch.Tensor, top_k: int = 32) -> TopKStats:
     return TopKStats(num_keys=nf, mass=mass, rest_mass=rest_mass, contrast=contrast, contrast_gain=e_top - e_rest)
 
 
-def logit(p: torch.Tensor) -> torch.Tensor:
-    """ln(p / (1 - p)) in float64."""
-    p = p.to(torch.float64)
-    return torch.log(p) - torch.log1p(-p)
-
-
 def identity_residual(stats: TopKStats, top_k: int = 32) -> torch.Tensor:
     """``logit(mass) - (contrast - ln((N - k) / k))`` per row: zero up to rounding (float64), by the identity.
 
@@ -101,9 +99,12 @@ def identity_residual(stats: TopKStats, top_k: int = 32) -> torch.Tensor:
 
 def mean_mass_at(scores: torch.Tensor, beta: float, top_k: int = 32) -> float:
     """Mean over rows of the top-k mass of ``softmax(beta * scores)``; ``scores`` as in :func:`topk_stats`."""
-    s = scores.to(torch.float64)
-    s = torch.where(s > -1e30, s * beta, torch.tensor(-math.inf, dtype=s.dtype))
-    probs = torch.softmax(s, -1)
+    return _mean_mass(_masked_float64(scores), beta, top_k)
+
+
+def _mean_mass(masked: torch.Tensor, beta: float, top_k: int) -> float:
+    """:func:`mean_mass_at` on scores already from :func:`_masked_float64` (hidden keys stay -inf for any beta)."""
+    probs = torch.softmax(torch.where(torch.isfinite(masked), masked * beta, masked), -1)
     return float(probs.topk(top_k, dim=-1).values.sum(-1).mean())
 
 
@@ -120,13 +121,14 @@ def beta_for_mass(scores: torch.Tensor, target_mass: float, top_k: int = 32, *, 
     """
     if not 0.0 < target_mass < 1.0:
         raise ValueError(f"target_mass must be in (0, 1), got {target_mass}")
-    if mean_mass_at(scores, lo, top_k) >= target_mass:
+    masked = _masked_float64(scores)  # once, not per bisection step
+    if _mean_mass(masked, lo, top_k) >= target_mass:
         return lo
-    if mean_mass_at(scores, hi, top_k) < target_mass:
+    if _mean_mass(masked, hi, top_k) < target_mass:
         return hi
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        if mean_mass_at(scores, mid, top_k) >= target_mass:
+        if _mean_mass(masked, mid, top_k) >= target_mass:
             hi = mid
         else:
             lo = mid

@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models import attention_probe
-
-from runtime.models.dflash import CheckpointError, DFlashMLP, check_state, RMSNorm, apply_rope, rope_cos_sin
+from runtime.models.dflash import CheckpointError, DFlashMLP, RMSNorm, apply_rope, check_state, rope_cos_sin
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
