@@ -70,7 +70,7 @@ def _worker(engine_dir: Path, config: str, prompts: dict[str, list[int]], new_to
         params = SamplingParams(max_new_tokens=new_tokens, query_scale=config != "frozen")
         res = engine.generate(ids, params=params, speculative=config != "target-only")
         s = res.stats
-        rows[name] = {"token_ids": res.token_ids, "new_tokens": len(res.token_ids),
+        rows[name] = {"prompt_ids": ids, "token_ids": res.token_ids, "new_tokens": len(res.token_ids),
                       "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
                       "draft_s": round(s.draft_s, 4), "verify_s": round(s.verify_s, 4),
                       "tokens_per_s": round(s.tokens_per_s, 3),
@@ -80,7 +80,7 @@ def _worker(engine_dir: Path, config: str, prompts: dict[str, list[int]], new_to
                            "rounds": s.rounds}
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"config": config, "engine": str(engine_dir), "query_scale": engine.manifest["query_scale"],
-            "peak_rss_mb": round(peak_mb, 1), "rows": rows}
+            "max_new_tokens": new_tokens, "peak_rss_mb": round(peak_mb, 1), "rows": rows}
 
 
 def _trainable_params(engine_dir: Path) -> int:
@@ -160,7 +160,7 @@ def _summary(result: dict) -> dict:
 
 
 @click.command()
-@click.option("--engine", "engines", multiple=True, required=True,
+@click.option("--engine", "engines", multiple=True,
               help="LABEL=DIR engines folder with a query-scaled drafter (repeatable); the first also runs "
                    "target-only and frozen")
 @click.option("--contexts", default="512,1024,2048,4096,7168", show_default=True)
@@ -174,6 +174,14 @@ def _summary(result: dict) -> dict:
                    "(resume an interrupted benchmark, or re-summarise)")
 @click.option("--worker", hidden=True, default=None)
 def main(engines, contexts, new_tokens, end_token, docs, threads, out, reuse, worker):
+    if worker is not None:  # child process: one configuration, prompts from the parent's prompts.json
+        label, _, path = worker.partition("=")
+        prompts = json.loads((out / "prompts.json").read_text())
+        res = _worker(Path(path), label, prompts, new_tokens, threads)
+        (out / f"run_{label}.json").write_text(json.dumps(res))
+        return
+    if not engines:
+        raise click.UsageError("pass at least one --engine LABEL=DIR")
     contexts = sorted(int(c) for c in contexts.split(","))
     pairs = []
     for spec in engines:
@@ -193,28 +201,21 @@ def main(engines, contexts, new_tokens, end_token, docs, threads, out, reuse, wo
 
     prompts = _prompts(_Tok(), contexts, end_token, docs.split(",") if docs else None)
     out.mkdir(parents=True, exist_ok=True)
-    if worker is not None:  # child process: one configuration
-        label, _, path = worker.partition("=")
-        res = _worker(Path(path), label, prompts, new_tokens, threads)
-        (out / f"run_{label}.json").write_text(json.dumps(res))
-        return
+    (out / "prompts.json").write_text(json.dumps(prompts))
     configs = [("target-only", pairs[0][1]), ("frozen", pairs[0][1]), *pairs]
     runs = {}
     for label, path in configs:
         earlier = out / f"run_{label}.json"
         if reuse and earlier.is_file():
             run = json.loads(earlier.read_text())
-            if (run["engine"] == str(path) and set(run["rows"]) == set(prompts)
-                    and all(len(r["token_ids"]) <= new_tokens for r in run["rows"].values())):
+            if (run["engine"] == str(path) and run.get("max_new_tokens") == new_tokens
+                    and {n: r["prompt_ids"] for n, r in run["rows"].items()} == prompts):
                 runs[label] = run
                 click.echo(f"{label}: reusing {earlier}")
                 continue
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--worker", f"{label}={path}", "--contexts", ",".join(map(str, contexts)),
-               "--new-tokens", str(new_tokens), "--end-token", str(end_token), "--out", str(out),
-               "--engine", f"x={pairs[0][1]}"]
-        if docs:
-            cmd += ["--docs", docs]
+        cmd = [sys.executable, __file__, "--worker", f"{label}={path}", "--new-tokens", str(new_tokens),
+               "--out", str(out)]
         if threads:
             cmd += ["--threads", str(threads)]
         subprocess.run(cmd, check=True)
@@ -233,6 +234,7 @@ def main(engines, contexts, new_tokens, end_token, docs, threads, out, reuse, wo
     for run in runs.values():
         for row in run["rows"].values():
             row.pop("token_ids")
+            row.pop("prompt_ids")
     (out / "bench_long_context.json").write_text(json.dumps(result, indent=1))
     paths = _plots(result, out)
     head = ("| config | " + " | ".join(f"MAL @{c}" for c in contexts)
