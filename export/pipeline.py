@@ -209,7 +209,8 @@ def find_shared_weights(target_onnx: Path) -> dict:
 
 def _graph_entry(root: Path, onnx_file: Path, io: dict) -> dict:
     files = [onnx_file] + [p for p in onnx_file.parent.iterdir() if p != onnx_file]
-    return {"file": str(onnx_file.relative_to(root)), "inputs": io["inputs"], "outputs": io["outputs"],
+    extra = {"kv_io": io["kv_io"]} if "kv_io" in io else {}
+    return {"file": str(onnx_file.relative_to(root)), "inputs": io["inputs"], "outputs": io["outputs"], **extra,
             "sha256": {str(p.relative_to(root)): sha256_file(p) for p in sorted(files)}}
 
 

@@ -35,32 +35,47 @@ def _session(path: Path):
 
 @torch.no_grad()
 def validate_target(model, tap_ids: list[int], path: Path, io: dict, seed: int = 0) -> dict:
-    """Prefill 11 tokens then verify a 4-token block with the cache; compare logits and taps. Returns max diffs."""
+    """Prefill 11 tokens then verify a 4-token block with the cache; compare logits, taps and the new K/V with
+    transformers' own forward (``TargetForExport``). Returns max diffs.
+
+    A static-KV graph (``io["kv_io"] == "static"``) is fed past buffers with 5 spare slots of noise behind the
+    cached positions, masked out as the runtime masks them, so a mask bug shows up as a logits difference.
+
+    Raises:
+        ValidationError: a difference above ``TARGET_ATOL``.
+    """
     from export.graphs import TargetForExport
 
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     wrap = TargetForExport(model, tap_ids).eval()
     sess = _session(path)
+    static = io.get("kv_io") == "static"
+    spare = 5 if static else 0
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     past = [torch.zeros(1, cfg.num_key_value_heads, 0, hd) for _ in range(2 * cfg.num_hidden_layers)]
-    diffs = {"logits": 0.0, "taps": 0.0}
+    diffs = {"logits": 0.0, "taps": 0.0, "kv": 0.0}
     start = 0
     for q in (11, 4):
         ids = torch.randint(0, cfg.vocab_size, (1, q), generator=g)
         pos = torch.arange(start, start + q)[None]
         am = torch.ones(1, start + q, dtype=torch.int64)
         ref_logits, ref_taps, present = wrap(ids, pos, am, past)
-        feed = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "attention_mask": am.numpy()}
-        feed.update({n: t.numpy() for n, t in zip(io["inputs"][3:], past)})
-        logits, taps = sess.run(["logits", "taps"], feed)
+        buffers = [torch.cat([t, torch.randn(*t.shape[:2], spare, hd, generator=g)], 2) for t in past]
+        mask = torch.cat([am[:, :start], torch.zeros(1, spare, dtype=torch.int64), am[:, start:]], 1)
+        feed = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "attention_mask": mask.numpy()}
+        feed.update({n: t.numpy() for n, t in zip(io["inputs"][3:], buffers)})
+        logits, taps, *kv = sess.run(io["outputs"], feed)
         diffs["logits"] = max(diffs["logits"], float(np.abs(logits - ref_logits.numpy()).max()))
         if taps.size:  # a drafter that reads no target features (PARD) exports taps of width 0
             diffs["taps"] = max(diffs["taps"], float(np.abs(taps - ref_taps.numpy()).max() / ref_taps.abs().max()))
+        new_ref = [t[:, :, start:] for t in present] if static else present
+        diffs["kv"] = max(diffs["kv"], max(float(np.abs(a - b.numpy()).max()) for a, b in zip(kv, new_ref)))
         past, start = list(present), start + q
-    if diffs["logits"] > TARGET_ATOL or diffs["taps"] > TARGET_ATOL:
+    if max(diffs.values()) > TARGET_ATOL:
         raise ValidationError(f"target graph {path} disagrees with torch: {diffs} (tolerance {TARGET_ATOL})")
-    return {"max_abs_diff_logits": diffs["logits"], "max_rel_diff_taps": diffs["taps"], "atol": TARGET_ATOL}
+    return {"max_abs_diff_logits": diffs["logits"], "max_rel_diff_taps": diffs["taps"],
+            "max_abs_diff_kv": diffs["kv"], "kv_io": io.get("kv_io", "concat"), "atol": TARGET_ATOL}
 
 
 @torch.no_grad()

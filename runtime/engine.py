@@ -18,7 +18,8 @@ dropped at once. Rows whose next block would pass the drafter's max positions (o
 decode target-only in the same batched call (k = 0), still exact.
 
 Backends (duck-typed, see runtime/ort_engines.py, runtime/torch_engines.py and tests/runtime/scripted.py):
-  target:  vocab_size, max_positions, new_cache(), forward(caches, tokens) -> (logits [b, q, V], feats [b, q, F])
+  target:  vocab_size, max_positions, new_cache(), forward(caches, tokens) -> (logits [b, q, V], feats [b, q, F]);
+           optional prefill(cache, tokens) -> (last position's logits [V], feats [n, F]) (chunked prefill)
   drafter: vocab_size, num_draft_tokens, max_positions, verification, new_cache(), can_draft(committed),
            draft(caches, bonus_tokens, contexts[, query_scale=[bool per row]]) -> logits [b, K, V_drafter];
            optional ``context``: "tokens" = each row's committed token ids before x_s (PARD) instead of target
@@ -251,11 +252,15 @@ class SpecEngine:
 
     def _prefill(self, seq: Sequence) -> list[int]:
         t0 = time.perf_counter()
-        logits, feats = self.target.forward([seq.target_cache], [seq.prompt_ids])
         n = len(seq.prompt_ids)
-        token = seq.sampler.next_token(logits[0, n - 1])
+        if hasattr(self.target, "prefill"):  # chunked (bounded memory), last position's logits only
+            last, feats = self.target.prefill(seq.target_cache, seq.prompt_ids)
+        else:
+            logits, feats = self.target.forward([seq.target_cache], [seq.prompt_ids])
+            last, feats = logits[0, n - 1], feats[0]
+        token = seq.sampler.next_token(last)
         seq.finish_reason = seq.stopper.extend(seq.out, [token])
-        seq.pending_ctx = feats[0, :n]
+        seq.pending_ctx = feats[:n]
         seq.stats.prefill_s = time.perf_counter() - t0
         seq.stats.new_tokens = len(seq.out)
         return [token]

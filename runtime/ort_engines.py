@@ -1,22 +1,31 @@
 """ONNX Runtime engines for the target and the DFlash drafter of an engines/ folder, with per-sequence KV caches.
 
-Each sequence owns a :class:`KVCache` per graph (a list of numpy arrays ``[1, kv_heads, length, head_dim]``,
-rollback is a slice). A batched target call pads the rows' caches on the right into ``[batch, kv_heads, L_max,
-head_dim]`` and masks the padding out with ``attention_mask``; each row's new K/V are then cut back out of the
-present tensors, so padding and placeholder slots never enter any cache. (Issue 8 replaces the per-step padding
-copy with preallocated buffers bound through IOBinding.)
+Target graphs exported with kv_io "static" (the default, export/graphs.py) keep each sequence's cache in a
+:class:`StaticKVCache`: preallocated buffers the graph reads in place (spare slots masked by ``attention_mask``),
+new positions written after each call, rollback a length change. A single sequence's step therefore copies no
+cache; a ragged batch gathers its rows' valid positions into one padded tensor per call.
+
+Drafter graphs (and concat-form target graphs) return past + new K/V: each sequence owns a :class:`KVCache` per
+graph (numpy arrays ``[1, kv_heads, length, head_dim]``, rollback is a slice); a batched call pads the rows' caches
+on the right and masks the padding out, and each row's new K/V are cut back out of the present tensors, so padding
+and placeholder slots never enter any cache.
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from runtime.kv_cache import KVCache, pad_caches, unpad_present  # noqa: F401 - KVCache re-exported
+from runtime.kv_cache import (KVCache, StaticKVCache, gather_static, pad_caches,  # noqa: F401 - re-exported
+                              unpad_present)
 
 from runtime.manifest import read_initializer
+
+
+DEFAULT_PREFILL_CHUNK = 512
 
 
 def session_options(threads: int | None = None):
@@ -58,6 +67,15 @@ class _Graph:
         self.num_layers, self.kv_heads, self.head_dim = dims
         self.kv_names = [n for n in graph["inputs"] if n.startswith("past_")]
         self.out_names = graph["outputs"]
+        self.ort_s = 0.0  # seconds spent inside ONNX Runtime calls (benchmarks subtract it from step time)
+
+    def _run(self, names: list[str], feed: dict, session=None) -> list[np.ndarray]:
+        """``session.run`` (default: this graph's) timed into :attr:`ort_s`."""
+        t0 = time.perf_counter()
+        try:
+            return (session or self.session).run(names, feed)
+        finally:
+            self.ort_s += time.perf_counter() - t0
 
     def new_cache(self) -> KVCache:
         return KVCache(self.num_layers, self.kv_heads, self.head_dim)
@@ -78,7 +96,7 @@ class _Graph:
             feed["query_scale_enabled"] = np.asarray(flags, np.float32)
         feed.update(zip(self.kv_names, past))
         feed.update(self.shared)
-        outputs = self.session.run(self.out_names, feed)
+        outputs = self._run(self.out_names, feed)
         n = len(outputs) - len(self.kv_names)
         unpad_present(outputs[n:], caches, l_max, keep)
         return outputs[:n]
@@ -100,6 +118,36 @@ class OrtTarget(_Graph):
                          (t["num_layers"], t["num_key_value_heads"], t["head_dim"]), device, threads)
         self.max_positions = t["max_position_embeddings"]
         self.vocab_size = t["vocab_size"]
+        self.static = manifest["graphs"]["target"].get("kv_io") == "static"
+        self.prefill_chunk = int(os.environ.get("SHARPDRAFT_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK))
+
+    def new_cache(self) -> KVCache | StaticKVCache:
+        if self.static:
+            return StaticKVCache(self.num_layers, self.kv_heads, self.head_dim)
+        return super().new_cache()
+
+    def prefill(self, cache: KVCache | StaticKVCache, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Run a prompt through the target in chunks of ``prefill_chunk`` tokens (``$SHARPDRAFT_PREFILL_CHUNK``).
+
+        Chunking bounds the attention scores (``[1, heads, chunk, length]``) and the logits kept (only the last
+        position's), so a long prompt's prefill memory no longer grows with the prompt's square.
+
+        Args:
+            cache: the sequence's (empty or partial) target cache; the prompt's K/V are appended.
+            tokens: the prompt ids (>= 1).
+        Returns:
+            logits of the last position ``[vocab]`` f32 and taps ``[len(tokens), F]`` f32.
+        Raises:
+            ValueError: as :meth:`forward`.
+        """
+        if self.static:
+            cache.reserve(cache.length + len(tokens) + StaticKVCache.ALIGN)  # room for the decode steps after
+        step = max(1, self.prefill_chunk)
+        taps = []
+        for i in range(0, len(tokens), step):
+            logits, t = self.forward([cache], [tokens[i: i + step]])
+            taps.append(t[0])
+        return logits[0, -1], np.concatenate(taps)
 
     def forward(self, caches: list[KVCache], tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Run each row's ``tokens[r]`` at positions ``caches[r].length ..`` and append their K/V to ``caches[r]``.
@@ -122,7 +170,12 @@ class OrtTarget(_Graph):
                 raise ValueError(f"sequence of {c.length + n} tokens exceeds the target's {self.max_positions} "
                                  "positions")
         b, q = len(tokens), max(lens)
-        past, l_max = pad_caches(caches)
+        if self.static:
+            for c in caches:
+                c.reserve(c.length + q)
+            past, l_max = gather_static(caches)
+        else:
+            past, l_max = pad_caches(caches)
         ids = np.zeros((b, q), np.int64)
         pos = np.zeros((b, q), np.int64)
         mask = np.zeros((b, l_max + q), np.int64)
@@ -134,8 +187,12 @@ class OrtTarget(_Graph):
             mask[r, l_max: l_max + len(row)] = 1
         feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
         feed.update(zip(self.kv_names, past))
-        logits, taps, *present = self.session.run(self.out_names, feed)
-        unpad_present(present, caches, l_max, lens)
+        logits, taps, *kv = self._run(self.out_names, feed)
+        if self.static:
+            for r, (c, n) in enumerate(zip(caches, lens)):
+                c.append(kv, n, row=r)
+        else:
+            unpad_present(kv, caches, l_max, lens)
         return logits, taps
 
 
@@ -369,7 +426,7 @@ class OrtEagle3Drafter(_Graph):
             feats[r, :n] = f
             ids[r, :n] = [*np.asarray(hist[c + 1:], np.int64).tolist(), int(bonus)]  # token p + 1 at position p
             pos[r] = np.minimum(np.arange(c, c + q), self.max_positions - 1)
-        (hidden,) = self.fc.run(["hidden"], {"target_features": feats})
+        (hidden,) = self._run(["hidden"], {"target_features": feats}, self.fc)
         token, out = self._step(caches, ids, hidden, pos, lens, flags, lens)
         drafts = [token]
         committed = [c + n for c, n in zip(starts, lens)]

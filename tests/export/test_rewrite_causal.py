@@ -37,7 +37,7 @@ def tiny(tiny_target_dir, tmp_path_factory):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp("causal") / "frozen.onnx"
-    export_target(model, [0], path)  # default attn implementation (sdpa) -> decomposed MatMul/Softmax at opset 18
+    export_target(model, [0], path, kv_io="concat")  # HF forward (sdpa) -> decomposed MatMul/Softmax, opset 18
     reference = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32,
                                                      attn_implementation=ATTN_IMPLEMENTATION).eval()
     frozen = ir.load(path)

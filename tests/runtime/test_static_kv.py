@@ -1,0 +1,120 @@
+"""The static KV cache (runtime/kv_cache.py) and the static-KV target graph (export/graphs.py kv_io "static")."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.kv_cache import StaticKVCache, gather_static
+
+
+def _new(rng, q, kvh=2, hd=4, layers=2, batch=1):
+    return [rng.standard_normal((batch, kvh, q, hd)).astype(np.float32) for _ in range(2 * layers)]
+
+
+def test_append_truncate_and_growth_keep_positions():
+    rng = np.random.default_rng(0)
+    cache = StaticKVCache(2, 2, 4)
+    steps = [_new(rng, q) for q in (300, 7, 1, 5)]
+    cache.append(steps[0], 300)
+    assert cache.length == 300 and cache.capacity == 512  # aligned up from 300 (ALIGN 256)
+    buffers = [id(b) for b in cache.kv_buffers]
+    cache.append(steps[1], 7)
+    cache.truncate(302)  # rollback: 5 of the 7 rejected
+    cache.append(steps[2], 1)
+    assert [id(b) for b in cache.kv_buffers] == buffers  # within capacity nothing is re-allocated
+    expect = [np.concatenate([a, b[:, :, :2], c], axis=2) for a, b, c in zip(*steps[:3])]
+    for got, want in zip(cache.kv, expect):
+        np.testing.assert_array_equal(got, want)
+    cache.reserve(1000)  # growth copies the valid positions once
+    assert cache.capacity == 1024 and [id(b) for b in cache.kv_buffers] != buffers
+    for got, want in zip(cache.kv, expect):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(304)
+
+
+def test_append_takes_one_row_of_a_batch_and_gather_pads():
+    rng = np.random.default_rng(1)
+    a, b = StaticKVCache(1, 2, 4), StaticKVCache(1, 2, 4)
+    new = _new(rng, 3, layers=1, batch=2)
+    a.append(new, 3, row=0)
+    b.append(new, 1, row=1)
+    past, l_max = gather_static([a, b])
+    assert l_max == 3 and past[0].shape == (2, 2, 3, 4)
+    np.testing.assert_array_equal(past[0][1, :, :1], new[0][1, :, :1])
+    np.testing.assert_array_equal(past[0][1, :, 1:], 0)  # padding, masked by the caller
+    solo, cap = gather_static([a])
+    assert solo[0] is a.kv_buffers[0] and cap == a.capacity  # one row: the buffer itself, no copy
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+def test_static_graph_validates_and_equals_the_concat_graph(tiny_model, tmp_path):
+    """Both export forms pass validation (noise in the spare slots included) and give the same logits, taps and
+    K/V through their runtime caches, with prefill chunked in 3s and a rollback between steps."""
+    from export.graphs import export_target
+    from export.validate import validate_target
+    from runtime.ort_engines import OrtTarget
+
+    cfg = tiny_model.config
+    outs = {}
+    for kv_io in ("static", "concat"):
+        path = tmp_path / kv_io / "model.onnx"
+        io = export_target(tiny_model, [0, cfg.num_hidden_layers - 1], path, kv_io=kv_io)
+        assert io["kv_io"] == kv_io
+        check = validate_target(tiny_model, [0, cfg.num_hidden_layers - 1], path, io)
+        assert check["max_abs_diff_kv"] < 1e-4 and check["max_abs_diff_logits"] < 1e-3
+        manifest = {"target": {"num_layers": cfg.num_hidden_layers, "num_key_value_heads": cfg.num_key_value_heads,
+                               "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
+                               "vocab_size": cfg.vocab_size},
+                    "graphs": {"target": {"file": f"{kv_io}/model.onnx", **io}}}
+        target = OrtTarget(tmp_path, json.loads(json.dumps(manifest)), device="cpu", threads=1)
+        target.prefill_chunk = 3
+        cache = target.new_cache()
+        assert isinstance(cache, StaticKVCache) == (kv_io == "static")
+        prompt = [5, 9, 14, 3, 8, 22, 41, 7]
+        last, taps = target.prefill(cache, prompt)
+        step1, _ = target.forward([cache], [[11, 12, 13, 14]])
+        cache.truncate(len(prompt) + 1)  # keep 1 of the 4 positions
+        step2, taps2 = target.forward([cache], [[15, 16]])
+        outs[kv_io] = (last, taps, step1, step2, taps2, [np.array(t) for t in cache.kv])
+    for got, want in zip(outs["static"][:5], outs["concat"][:5]):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    for got, want in zip(outs["static"][5], outs["concat"][5]):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_static_ragged_batch_equals_solo_rows(tiny_model, tmp_path):
+    from export.graphs import export_target
+    from runtime.ort_engines import OrtTarget
+
+    cfg = tiny_model.config
+    io = export_target(tiny_model, [0], tmp_path / "t" / "model.onnx", kv_io="static")
+    manifest = {"target": {"num_layers": cfg.num_hidden_layers, "num_key_value_heads": cfg.num_key_value_heads,
+                           "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
+                           "vocab_size": cfg.vocab_size},
+                "graphs": {"target": {"file": "t/model.onnx", **io}}}
+    target = OrtTarget(tmp_path, manifest, device="cpu", threads=1)
+    prompts, steps = [[3, 4, 5, 6, 7, 8], [9, 10]], [[20, 21, 22], [23]]
+    solo = []
+    for p, s in zip(prompts, steps):
+        c = target.new_cache()
+        target.prefill(c, p)
+        solo.append((target.forward([c], [s])[0][0, : len(s)], c))
+    caches = [target.new_cache() for _ in prompts]
+    for c, p in zip(caches, prompts):
+        target.prefill(c, p)
+    logits, _ = target.forward(caches, steps)
+    for r, (s, (want, c_solo)) in enumerate(zip(steps, solo)):
+        np.testing.assert_allclose(logits[r, : len(s)], want, atol=1e-4)
+        assert caches[r].length == c_solo.length
+        for a, b in zip(caches[r].kv, c_solo.kv):
+            np.testing.assert_allclose(a, b, atol=1e-5)
