@@ -146,6 +146,31 @@ def rewrite_file(src: Path, dst: Path, profile: QueryScaleProfile, num_keys_inpu
     return counts
 
 
+def remove_query_scale(model: ir.Model) -> int:
+    """Undo :func:`insert_query_scale`: every tagged query ``Mul`` is bypassed (its users read the query again),
+    and the beta subgraphs, now unused, are removed; graph inputs (the row switch) stay declared. The result is
+    the frozen drafter, for A/B timing of the query-scale node (scripts/bench_speed.py) or to ship without it.
+
+    Returns:
+        the number of ``Mul`` nodes removed (0 for a graph that was never rewritten).
+    """
+    removed = 0
+    for node in list(model.graph):
+        if not is_query_scale_mul(node):
+            continue
+        query = node.inputs[0]
+        ir.convenience.replace_all_uses_with(node.outputs[0], query)
+        for i, out in enumerate(model.graph.outputs):
+            if out is node.outputs[0]:
+                model.graph.outputs[i] = query
+        model.graph.remove(node, safe=True)
+        removed += 1
+    RemoveUnusedNodesPass()(model)
+    model.metadata_props.pop(PROFILE_METADATA_KEY, None)
+    model.metadata_props.pop(MODE_METADATA_KEY, None)
+    return removed
+
+
 def _resolve_mode(num_keys_from: str | None, num_keys_input: str | None, row_switch_input: str | None) -> str:
     mode = num_keys_from if num_keys_from is not None else ("key_mask" if num_keys_input is not None else "key_length")
     if mode not in NUM_KEYS_FROM:

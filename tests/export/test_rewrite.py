@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from export.rewrite import PROFILE_METADATA_KEY, QueryScaleRewriteError, insert_query_scale, rewrite_file
+from export.rewrite import (PROFILE_METADATA_KEY, QueryScaleRewriteError, insert_query_scale, remove_query_scale,
+                            rewrite_file)
 from export.rules import is_query_scale_mul
 from plugins.rule import QueryScaleProfile
 
@@ -242,6 +243,19 @@ def test_rewrite_is_idempotent():
                       "GroupQueryAttentionQueryScale": 0, "beta_subgraphs": 0, "already_scaled": 2}
     assert len(list(model.graph)) == num_nodes
     np.testing.assert_array_equal(run(model, feeds)[0], before)
+
+
+def test_remove_query_scale_restores_the_frozen_graph():
+    frozen = decomposed_two_layer()
+    feeds = decomposed_feeds(3000)  # far above ref_keys: beta > 1, so the scaled output differs
+    (want,) = run(frozen, feeds)
+    model, _ = rewritten(frozen, SMALL)
+    assert not np.allclose(run(model, feeds)[0], want)
+    assert remove_query_scale(model) == 2
+    assert sorted(n.op_type for n in model.graph) == sorted(n.op_type for n in frozen.graph.node)
+    assert PROFILE_METADATA_KEY not in model.metadata_props
+    np.testing.assert_array_equal(run(model, feeds)[0], want)
+    assert remove_query_scale(model) == 0
 
 
 def test_rewrite_under_another_profile_raises():
