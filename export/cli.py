@@ -28,16 +28,23 @@ from export.rewrite import QueryScaleRewriteError
                    "node per layer (TensorRT plugin form, plugins/tensorrt_plugin.py), validated against model.onnx")
 @click.option("--num-draft-tokens", type=int, default=None,
               help="PARD: draft tokens per forward, K (static in the graph; default: the checkpoint's, else 8)")
+@click.option("--full-vocab", is_flag=True,
+              help="DFlash: draft over the target's whole vocabulary even if the checkpoint ships a "
+                   "draft_vocab.json (reduced LM head, runtime/draft_vocab.py)")
+@click.option("--verify-draft-tokens", type=int, default=None,
+              help="draft tokens the runtime verifies per round by default (<= the drafter's; requests may ask "
+                   "for others; default: the checkpoint's sharpdraft_verify_draft_tokens, else all)")
 @click.option("-v", "--verbose", is_flag=True)
 def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
-         verbose):
+         full_vocab, verify_draft_tokens, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
                            slope=slope, cap=cap, query_scale=not no_query_scale,
-                           fused_attention=fused_attention, num_draft_tokens=num_draft_tokens)
+                           fused_attention=fused_attention, num_draft_tokens=num_draft_tokens,
+                           full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens)
         manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
         click.echo(f"sharpdraft-export: error: {e}", err=True)
@@ -46,7 +53,8 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
         click.echo("sharpdraft-export: interrupted; nothing was written to --out", err=True)
         sys.exit(130)
     qs = manifest["query_scale"]
-    click.echo(f"wrote {out}: drafter {family} ({manifest['drafter']['num_draft_tokens']} draft tokens), query scale "
+    click.echo(f"wrote {out}: drafter {family} ({manifest['drafter']['num_draft_tokens']} draft tokens, "
+               f"{manifest['drafter']['verify_draft_tokens']} verified by default), query scale "
                f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, slope {qs['slope']}, "
                f"source {qs['source']})")
     click.echo("validation: " + json.dumps({k: v.get("max_abs_diff_logits", None) if k == "target" else

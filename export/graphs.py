@@ -17,9 +17,10 @@ drafter  inputs  input_ids [batch, block] int64 (bonus token, then mask ids), ta
                  attention_mask [batch, past_len + ctx_len + block] int64 (1 = visible key; ragged rows are
                  right-padded: N of row b = sum(attention_mask[b]), read by the beta subgraph),
                  past_key.{i}/past_value.{i} [batch, kv_heads, past_len, head_dim],
-                 embed_weight [vocab, hidden], lm_head_weight [vocab, hidden] (the target's own tensors, fed at run
-                 time so the drafter graph never duplicates them: see export/manifest.py)
-         outputs logits [batch, block - 1, vocab] f32 (block is static: the drafter's trained block size) (slots 1..B-1), present_key.{i}/present_value.{i}
+                 embed_weight [vocab, hidden], lm_head_weight [draft_vocab, hidden] (the target's own tensors, fed at
+                 run time so the drafter graph never duplicates them: see export/manifest.py; the LM head's rows are
+                 dynamic, so the runtime may feed only a draft vocabulary's rows, runtime/draft_vocab.py)
+         outputs logits [batch, block - 1, draft_vocab] f32 (block is static: the drafter's trained block size) (slots 1..B-1), present_key.{i}/present_value.{i}
                  [batch, kv_heads, past_len + ctx_len, head_dim] (context only: block keys are never cached).
 """
 from __future__ import annotations
@@ -259,7 +260,8 @@ def export_drafter(drafter: DFlashDrafter, path: Path) -> dict:
     past_len = torch.export.Dim("past_len", min=1, max=cfg.max_position_embeddings)
     # The block size is part of the drafter (it was trained with it): static in the graph.
     dyn = ({0: batch}, {0: batch, 1: ctx}, {0: batch, 1: ctx + blk}, {0: batch, 1: torch.export.Dim.DYNAMIC},
-           [{0: batch, 2: past_len} for _ in range(2 * n)], {}, {})
+           [{0: batch, 2: past_len} for _ in range(2 * n)], {},
+           {0: torch.export.Dim("draft_vocab", max=1 << 20)})  # LM-head rows: the full vocab or a draft vocab
     inputs = ["input_ids", "target_hidden", "position_ids", "attention_mask", *kv_names(n, "past"), "embed_weight",
               "lm_head_weight"]
     outputs = ["logits", *kv_names(n, "present")]

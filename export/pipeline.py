@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from plugins.rule import QueryScaleProfile
+from runtime.draft_vocab import DRAFT_VOCAB_FILE, DraftVocabError, load_draft_vocab
 from runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
 from runtime.models.dflash import CheckpointError, DFlashDrafter, load_dflash
 
@@ -48,6 +49,8 @@ class ExportConfig:
     overwrite: bool = True
     fused_attention: bool = False  # also write drafter_fused/model.onnx (sharpdraft::QueryScaledAttention nodes)
     num_draft_tokens: int | None = None  # PARD: K drafted per forward (static in the graph)
+    full_vocab: bool = False  # DFlash: ignore the checkpoint's draft_vocab.json (draft over the whole vocabulary)
+    verify_draft_tokens: int | None = None  # runtime default of draft tokens verified per round (<= drafted)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -55,6 +58,8 @@ class ExportConfig:
         if self.family not in DEFAULT_CHECKPOINTS:
             raise ExportError(f"--drafter {self.family}: not supported by this version yet "
                               f"({', '.join(DEFAULT_CHECKPOINTS)} only)")
+        if self.verify_draft_tokens is not None and self.verify_draft_tokens < 1:
+            raise ExportError(f"--verify-draft-tokens must be >= 1, got {self.verify_draft_tokens}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ExportError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
         if self.fused_attention and self.family != "dflash":
@@ -259,6 +264,10 @@ def run_export(cfg: ExportConfig) -> dict:
              or (DEFAULT_PARD_DRAFT_TOKENS if pard else DEFAULT_EAGLE3_DRAFT_TOKENS))
     else:
         k = drafter.config.block_size - 1
+    verify = cfg.verify_draft_tokens or _verify_default(drafter)
+    if verify is not None and not 1 <= int(verify) <= k:
+        raise ExportError(f"verify_draft_tokens {verify} must be in 1..{k} (the draft tokens per round of this "
+                          "drafter); lower --verify-draft-tokens")
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
@@ -284,6 +293,13 @@ def run_export(cfg: ExportConfig) -> dict:
         if profile.enabled:  # the rewrite added a per-row on/off input (per-request A/B of the query scale)
             drafter_io["inputs"] = [*drafter_io["inputs"], "query_scale_enabled"]
         log.info("query-scale rewrite: %s", counts)
+        draft_ids = None
+        if cfg.family == "dflash" and not cfg.full_vocab and (Path(ckpt) / DRAFT_VOCAB_FILE).is_file():
+            try:
+                draft_ids = load_draft_vocab(Path(ckpt) / DRAFT_VOCAB_FILE, target.config.vocab_size)
+            except DraftVocabError as e:
+                raise ExportError(f"{e} (or export with --full-vocab)") from e
+            shutil.copyfile(Path(ckpt) / DRAFT_VOCAB_FILE, tmp / "drafter" / DRAFT_VOCAB_FILE)
         shared = find_shared_weights(tmp / "target" / "model.onnx")
         shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
         embed = target.get_input_embeddings().weight.detach()
@@ -296,8 +312,10 @@ def run_export(cfg: ExportConfig) -> dict:
             drafter_check = validate_pard_drafter(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile,
                                                   embed if drafter.borrow_embeddings else None)
         else:
+            # with a draft vocabulary the graph is checked on the LM-head rows the runtime will feed
+            head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
             drafter_check = validate_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile, embed,
-                                             lm_head)
+                                             head)
         validation = {"target": validate_target(target, taps, tmp / "target" / "model.onnx", target_io),
                       "drafter": drafter_check}
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
@@ -308,8 +326,12 @@ def run_export(cfg: ExportConfig) -> dict:
             graphs["drafter_fused"] = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config,
                                                      profile, embed, lm_head, validation)
         tok.save_pretrained(tmp / "tokenizer")
-        manifest = _manifest(cfg, ckpt, _drafter_entry(cfg.family, ckpt, drafter, k), target, tok, profile,
-                             profile_source, counts, shared, validation, graphs)
+        entry = _drafter_entry(cfg.family, ckpt, drafter, k)
+        entry["verify_draft_tokens"] = int(verify or k)
+        if draft_ids is not None:
+            entry["draft_vocab"] = {"file": f"drafter/{DRAFT_VOCAB_FILE}", "size": int(draft_ids.size)}
+        manifest = _manifest(cfg, ckpt, entry, target, tok, profile, profile_source, counts, shared, validation,
+                             graphs)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _replace_dir(tmp, cfg.out)
         return manifest
@@ -351,6 +373,15 @@ def _replace_dir(new: Path, out: Path) -> None:
     os.replace(new, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _verify_default(drafter) -> int | None:
+    """``sharpdraft_verify_draft_tokens`` of the checkpoint's config.json: the draft tokens worth verifying per
+    round on the hardware the checkpoint's card measured (scripts/bench_speed.py --draft-tokens)."""
+    extra = getattr(drafter.config, "extra", None)
+    if isinstance(extra, dict) and "sharpdraft_verify_draft_tokens" in extra:
+        return int(extra["sharpdraft_verify_draft_tokens"])
+    return _checkpoint_field(drafter, "sharpdraft_verify_draft_tokens")
 
 
 def _checkpoint_field(drafter, name: str):

@@ -92,12 +92,14 @@ class SpecEngine:
         eos_token_ids: ids that end generation unless a request sets ignore_eos.
         tokenizer: HF tokenizer (stop strings, output text); optional.
         verification: "rejection" or "exact_match"; None = the drafter's own choice.
+        default_draft_tokens: draft tokens verified per round for requests that do not set num_draft_tokens
+            (None = all the drafter drafts; an engines manifest's ``drafter.verify_draft_tokens``).
         check_invariants: assert design.md §5's invariants after every round (tests).
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
                  check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None,
-                 proposable_vocab: int | None = None):
+                 proposable_vocab: int | None = None, default_draft_tokens: int | None = None):
         self.target = target
         # ids >= this are padding rows (of the drafter's or the target's head): never proposed as draft tokens
         self.proposable_vocab = min(proposable_vocab or target.vocab_size, target.vocab_size)
@@ -106,6 +108,9 @@ class SpecEngine:
         self._tokenizer = tokenizer
         self.verification = verification or getattr(drafter, "verification", "rejection")
         self.check_invariants = check_invariants
+        k_max = drafter.num_draft_tokens if drafter is not None else 0
+        # draft tokens verified per round when a request does not say (manifest ``verify_draft_tokens``)
+        self.default_draft_tokens = min(default_draft_tokens or k_max, k_max)
         self.manifest = manifest
         self.engine_dir = engine_dir
         self.sequences: dict[str, Sequence] = {}
@@ -156,7 +161,8 @@ class SpecEngine:
             drafter = drafter_cls(engine_dir, manifest, device, threads)
         return cls(target, drafter, eos_token_ids=manifest["tokenizer"]["eos_token_ids"],
                    check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir,
-                   proposable_vocab=manifest["tokenizer"]["vocab_size"])
+                   proposable_vocab=manifest["tokenizer"]["vocab_size"],
+                   default_draft_tokens=manifest["drafter"].get("verify_draft_tokens"))
 
     @property
     def tokenizer(self):
@@ -210,9 +216,8 @@ class SpecEngine:
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_request(prompt_ids, params)
-        k_max = self.drafter.num_draft_tokens if self.drafter is not None else 0
         k = 0 if not params.speculative or self.drafter is None else (
-            k_max if params.num_draft_tokens is None else params.num_draft_tokens)
+            self.default_draft_tokens if params.num_draft_tokens is None else params.num_draft_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")

@@ -22,6 +22,7 @@ import numpy as np
 from runtime.kv_cache import (KVCache, StaticKVCache, gather_static, pad_caches,  # noqa: F401 - re-exported
                               unpad_present)
 
+from runtime.draft_vocab import expand_logits, load_draft_vocab
 from runtime.manifest import read_initializer
 
 
@@ -219,6 +220,20 @@ class OrtDFlashDrafter(_Graph):
         self.batched = "attention_mask" in graph["inputs"]
         self._drafter_setup(engine_dir, manifest, graph)
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
+        self._full_head = self.shared.get("lm_head_weight")
+        self.draft_ids = self._draft_head = None
+        vocab_entry = manifest["drafter"].get("draft_vocab")
+        if vocab_entry and self._full_head is not None:
+            self.draft_ids = load_draft_vocab(engine_dir / vocab_entry["file"], self.vocab_size)
+            self._draft_head = np.ascontiguousarray(self._full_head[self.draft_ids])
+        self.set_draft_vocab(True)
+
+    def set_draft_vocab(self, enabled: bool) -> None:
+        """Score only the draft vocabulary's LM-head rows (the default when the engines folder has one), or the
+        whole vocabulary (A/B; runtime/draft_vocab.py). No-op for folders without a draft vocabulary."""
+        self.draft_vocab_enabled = bool(enabled and self.draft_ids is not None)
+        if self._full_head is not None:
+            self.shared["lm_head_weight"] = self._draft_head if self.draft_vocab_enabled else self._full_head
 
     def can_draft(self, committed: int) -> bool:
         """True when a block at positions committed .. committed + B - 1 fits the drafter's positions."""
@@ -236,7 +251,8 @@ class OrtDFlashDrafter(_Graph):
             query_scale: per row, False = beta 1 (frozen drafter) through the graph's ``query_scale_enabled``
                 input; None = on for every row.
         Returns:
-            logits ``[batch, B - 1, vocab]`` f32 for block slots 1..B-1.
+            logits ``[batch, B - 1, vocab]`` f32 for block slots 1..B-1 (-inf outside the draft vocabulary when
+            the folder has one).
         Raises:
             ValueError: a row asks for the scale off and the graph has no switch input.
         """
@@ -268,6 +284,8 @@ class OrtDFlashDrafter(_Graph):
         if self.batched:
             feed["attention_mask"] = mask
         (logits,) = self._run_drafter(feed, flags, past, caches, l_max, ctx_lens)
+        if self.draft_vocab_enabled:
+            return expand_logits(logits, self.draft_ids, self.vocab_size)
         return logits
 
 

@@ -63,7 +63,8 @@ class SamplingParams:
             string; the token that completed it is returned and counted).
         ignore_eos: do not stop at the EOS ids (stop_token_ids still apply).
         speculative: False decodes target-only (the A/B baseline).
-        num_draft_tokens: draft tokens per round for this request, 0..the drafter's maximum; None = the maximum.
+        num_draft_tokens: draft tokens per round for this request, 0..the drafter's maximum; None = the engine's
+            default (the manifest's verify_draft_tokens, else the maximum).
         query_scale: False drafts this request with the query scale switched off (beta = 1, the frozen drafter),
             for A/B comparisons; needs an engines folder exported with the per-row switch.
     Raises:

@@ -202,6 +202,12 @@ class TorchDFlashDrafter:
         self.max_positions = cfg.max_position_embeddings
         self.vocab_size = int(self.lm_head_weight.shape[0])
         self.num_layers, self.kv_heads, self.head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.draft_ids: torch.Tensor | None = None
+
+    def set_draft_ids(self, draft_ids) -> None:
+        """Score only these target ids (int ``[V]``, runtime/draft_vocab.py); None = the whole vocabulary."""
+        self.draft_ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long,
+                                                                        device=self.device)
 
     @classmethod
     def load(cls, checkpoint: str | Path, target: TorchTarget, profile: QueryScaleProfile | None = None,
@@ -283,7 +289,11 @@ class TorchDFlashDrafter:
             beta = beta_torch(mask.sum(-1), self.profile).to(dev)  # N = s + B per row
             beta = torch.where(torch.tensor(flags, device=dev), beta, torch.ones_like(beta))
             h, new_kv = self.model(emb, hidden, pos, past_kv, key_mask=mask, query_scale=beta[:, None, None, None])
-        logits = torch.matmul(h[:, 1:], self.lm_head_weight.transpose(0, 1))
+        if self.draft_ids is None:
+            logits = torch.matmul(h[:, 1:], self.lm_head_weight.transpose(0, 1))
+        else:
+            logits = torch.full((*h[:, 1:].shape[:2], self.vocab_size), float("-inf"), device=dev)
+            logits[..., self.draft_ids] = torch.matmul(h[:, 1:], self.lm_head_weight[self.draft_ids].transpose(0, 1))
         unpad_present([t for pair in new_kv for t in pair], caches, l_max, ctx_lens)
         return logits.float().cpu().numpy()
 
@@ -343,6 +353,11 @@ def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, 
                              f"{target_info['vocab_size']}: it is not the model this folder was exported from")
     try:
         drafter = TorchDFlashDrafter.load(ckpt, target, manifest_profile(manifest), device, attention_impl)
+        vocab_entry = drafter_info.get("draft_vocab")
+        if vocab_entry and base_dir is not None:  # the same reduced LM head as the ONNX Runtime drafter
+            from runtime.draft_vocab import load_draft_vocab
+
+            drafter.set_draft_ids(load_draft_vocab(base_dir / vocab_entry["file"], target.vocab_size))
     except (CheckpointError, ValueError) as e:
         raise EngineDirError(f"torch backend: cannot load the drafter checkpoint {ckpt}: {e}") from e
     return target, drafter

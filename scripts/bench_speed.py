@@ -40,22 +40,31 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = ("sharpdraft", "ort-target-only", "hf-generate", "hf-prompt-lookup")
-KINDS = {"prose": "hamlet_gut", "code": "argparse.py"}
+KINDS = {"prose": ("hamlet_gut", "macbeth_gut", "othello_gut"), "code": ("argparse.py", "subprocess.py", "typing.py")}
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 
 
-def run_ort(engine, ids: list[int], new_tokens: int, speculative: bool) -> dict:
-    """One request through ``engine`` step by step; per step the wall time and the time inside ONNX Runtime."""
+def run_ort(engine, ids: list[int], new_tokens: int, speculative: bool, num_draft_tokens: int | None = None,
+            draft_vocab: bool = True) -> dict:
+    """One request through ``engine`` step by step; per step the wall time and the time inside ONNX Runtime.
+
+    ``num_draft_tokens``: verify only the first k draft tokens of each block (None: all); ``draft_vocab``: False
+    scores the drafter's LM head over the whole vocabulary (A/B of runtime/draft_vocab.py).
+    """
     from runtime.sampling import SamplingParams
 
     graphs = [engine.target] + ([engine.drafter] if engine.drafter is not None else [])
-    seq = engine.add_request(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, speculative=speculative))
+    if hasattr(engine.drafter, "set_draft_vocab"):
+        engine.drafter.set_draft_vocab(draft_vocab)
+    seq = engine.add_request(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, speculative=speculative,
+                                                 num_draft_tokens=num_draft_tokens))
     steps = []
     while engine.has_unfinished:
         ort0, t0 = sum(g.ort_s for g in graphs), time.perf_counter()
         engine.step()
         steps.append((time.perf_counter() - t0, sum(g.ort_s for g in graphs) - ort0))
+    if hasattr(engine.drafter, "set_draft_vocab"):
+        engine.drafter.set_draft_vocab(True)
     (prefill_s, _), decode = steps[0], steps[1:]
     s = seq.stats
     n = len(seq.out)
@@ -154,29 +163,37 @@ def query_scale_overhead(engine, ids: list[int], reps: int, threads: int | None 
             "frozen_ms": round(1000 * med["frozen"], 3), "ratio": round(med["scaled"] / med["frozen"], 4)}
 
 
-def _geo(xs: list[float]) -> float:
-    return statistics.geometric_mean(xs)
-
-
 def summarise(result: dict) -> dict:
-    """Per kind and context: mean tokens/s per configuration, geo-mean ratios, overhead and MAL."""
+    """Per ``kind@context``: mean tokens/s per configuration, and per sharpdraft configuration its MAL, per-step
+    breakdown and tokens/s ratios against each baseline (ratio per prompt, geo-mean over the kind's documents),
+    the per-step overhead outside ONNX Runtime (median over prompts) and the query-scale ratio."""
+    groups: dict[str, list[dict]] = {}
+    for key, entry in result["prompts"].items():
+        groups.setdefault(key.split("/")[0], []).append(entry)
+    spec = [c for c in result["configs"] if c.startswith("sharpdraft")]
+    bases = [c for c in result["configs"] if not c.startswith("sharpdraft")]
     out = {}
-    for key, rows in result["prompts"].items():
-        r = rows["runs"]
-        entry = {c: {"tokens_per_s": r[c]["tokens_per_s"], "decode_tokens_per_s": r[c]["decode_tokens_per_s"],
-                     "prefill_s": r[c]["prefill_s"]} for c in r}
-        sd = r["sharpdraft"]
-        entry["mal"] = sd["mal"]
-        entry["lossless"] = rows["lossless"]
-        for base in ("ort-target-only", "hf-generate", "hf-prompt-lookup"):
-            entry[f"speedup_vs_{base}"] = round(sd["decode_tokens_per_s"] / r[base]["decode_tokens_per_s"], 3)
-            entry[f"e2e_speedup_vs_{base}"] = round(sd["tokens_per_s"] / r[base]["tokens_per_s"], 3)
-        entry["overhead_ms_per_step"] = {c: r[c]["overhead_ms_per_step"] for c in ("sharpdraft", "ort-target-only")}
-        entry["breakdown_ms_per_step"] = {"draft": sd["draft_ms_per_step"], "verify": sd["verify_ms_per_step"],
-                                          "target_only_step": r["ort-target-only"]["step_ms_median"]}
-        if "query_scale" in rows:
-            entry["query_scale_ratio"] = rows["query_scale"]["ratio"]
-        out[key] = entry
+    for group, entries in groups.items():
+        runs = [e["runs"] for e in entries]
+        g = {"prompts": len(entries), "lossless": all(e["lossless"] for e in entries)}
+        for c in result["configs"]:
+            g[c] = {"decode_tokens_per_s": round(statistics.mean(r[c]["decode_tokens_per_s"] for r in runs), 3),
+                    "tokens_per_s": round(statistics.mean(r[c]["tokens_per_s"] for r in runs), 3),
+                    "prefill_s": round(statistics.mean(r[c]["prefill_s"] for r in runs), 4)}
+            if "overhead_ms_per_step" in runs[0][c]:
+                g[c]["overhead_ms_per_step"] = round(statistics.median(r[c]["overhead_ms_per_step"] for r in runs), 3)
+                g[c]["step_ms"] = round(statistics.median(r[c]["step_ms_median"] for r in runs), 3)
+            if c in spec:
+                g[c]["mal"] = round(statistics.mean(r[c]["mal"] for r in runs), 4)
+                g[c]["draft_ms_per_step"] = round(statistics.mean(r[c]["draft_ms_per_step"] for r in runs), 3)
+                g[c]["verify_ms_per_step"] = round(statistics.mean(r[c]["verify_ms_per_step"] for r in runs), 3)
+                for base in bases:
+                    g[c][f"speedup_vs_{base}"] = round(statistics.geometric_mean(
+                        r[c]["decode_tokens_per_s"] / r[base]["decode_tokens_per_s"] for r in runs), 3)
+                    g[c][f"e2e_speedup_vs_{base}"] = round(statistics.geometric_mean(
+                        r[c]["tokens_per_s"] / r[base]["tokens_per_s"] for r in runs), 3)
+        g["query_scale_ratio"] = round(statistics.median(e["query_scale"]["ratio"] for e in entries), 4)
+        out[group] = g
     return out
 
 
@@ -186,21 +203,21 @@ def _plots(result: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summ = result["summary"]
-    ctxs = result["contexts"]
+    summ, ctxs = result["summary"], result["contexts"]
+    bases = [c for c in result["configs"] if not c.startswith("sharpdraft")]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for kind, ls in zip(result["kinds"], ("-", "--")):
-        for c, color in zip(CONFIGS, ("C0", "C1", "C2", "C3")):
+        for j, c in enumerate(result["configs"]):
             axes[0].plot(ctxs, [summ[f"{kind}@{x}"][c]["decode_tokens_per_s"] for x in ctxs], ls, marker="o",
-                         color=color, label=f"{c} ({kind})")
-        for base, color in zip(CONFIGS[1:], ("C1", "C2", "C3")):
-            axes[1].plot(ctxs, [summ[f"{kind}@{x}"][f"speedup_vs_{base}"] for x in ctxs], ls, marker="o",
-                         color=color, label=f"vs {base} ({kind})")
+                         color=f"C{j}", label=f"{c} ({kind})")
+        for j, base in enumerate(bases):
+            axes[1].plot(ctxs, [summ[f"{kind}@{x}"]["sharpdraft"][f"speedup_vs_{base}"] for x in ctxs], ls,
+                         marker="o", color=f"C{result['configs'].index(base)}", label=f"vs {base} ({kind})")
     axes[0].set(xscale="log", xlabel="context tokens", ylabel="decode tokens/s (prefill excluded)",
-                title="tokens/s, one run, same prompts")
+                title="tokens/s, one run, same prompts", ylim=(0, None))
     axes[1].axhline(1.0, color="grey", ls=":")
     axes[1].set(xscale="log", xlabel="context tokens", ylabel="sharpdraft decode tokens/s ratio",
-                title="sharpdraft speedup")
+                title="sharpdraft speedup (geo-mean over documents)")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -209,17 +226,16 @@ def _plots(result: dict, out: Path) -> list[Path]:
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for kind, ls in zip(result["kinds"], ("-", "--")):
-        for c, color in (("sharpdraft", "C0"), ("ort-target-only", "C1")):
-            axes[0].plot(ctxs, [summ[f"{kind}@{x}"]["overhead_ms_per_step"][c] for x in ctxs], ls, marker="o",
-                         color=color, label=f"{c} ({kind})")
-        qs = [summ[f"{kind}@{x}"].get("query_scale_ratio") for x in ctxs]
-        if all(q is not None for q in qs):
-            axes[1].plot(ctxs, qs, ls, marker="o", color="C0", label=kind)
+        for c in ("sharpdraft", "ort-target-only"):
+            axes[0].plot(ctxs, [summ[f"{kind}@{x}"][c]["overhead_ms_per_step"] for x in ctxs], ls, marker="o",
+                         color=f"C{result['configs'].index(c)}", label=f"{c} ({kind})")
+        axes[1].plot(ctxs, [summ[f"{kind}@{x}"]["query_scale_ratio"] for x in ctxs], ls, marker="o", color="C0",
+                     label=kind)
     axes[0].set(xscale="log", xlabel="context tokens", ylabel="ms per decode step outside ONNX Runtime",
-                title="runtime overhead per step", ylim=(0, None))
+                title="runtime overhead per step (median)", ylim=(0, None))
     axes[1].axhline(1.02, color="red", ls=":", label="goal 1.02")
     axes[1].set(xscale="log", xlabel="context tokens", ylabel="drafter call time, beta / no beta",
-                title="query-scale overhead")
+                title="query-scale overhead (median)")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -227,6 +243,26 @@ def _plots(result: dict, out: Path) -> list[Path]:
     fig.savefig(p2, dpi=110)
     plt.close(fig)
     return [p1, p2]
+
+
+def _table(result: dict) -> str:
+    bases = [c for c in result["configs"] if not c.startswith("sharpdraft")]
+    spec = [c for c in result["configs"] if c.startswith("sharpdraft")]
+    head = (f"{'group':<12} {'config':<22} {'MAL':>5} {'tok/s':>6} {'draft':>6} {'verify':>6} "
+            + " ".join(f"{'x ' + b:>17}" for b in bases) + f" {'ovh ms':>6}")
+    lines = [head]
+    for group, g in result["summary"].items():
+        for c in spec:
+            e = g[c]
+            lines.append(f"{group:<12} {c:<22} {e['mal']:>5.2f} {e['decode_tokens_per_s']:>6.2f} "
+                         f"{e['draft_ms_per_step']:>6.1f} {e['verify_ms_per_step']:>6.1f} "
+                         + " ".join(f"{e['speedup_vs_' + b]:>17.3f}" for b in bases)
+                         + f" {e['overhead_ms_per_step']:>6.2f}")
+        lines.append(f"{group:<12} {'baselines tok/s':<22} " + ", ".join(
+            f"{b} {g[b]['decode_tokens_per_s']:.2f}" for b in bases)
+            + f"; target-only step {g['ort-target-only']['step_ms']:.1f} ms, overhead "
+            f"{g['ort-target-only']['overhead_ms_per_step']:.2f} ms; query-scale ratio {g['query_scale_ratio']:.3f}")
+    return "\n".join(lines)
 
 
 @click.command()
@@ -240,10 +276,17 @@ def _plots(result: dict, out: Path) -> list[Path]:
               "(default: ONNX Runtime's session default and torch's)")
 @click.option("--qs-reps", default=20, show_default=True, type=click.IntRange(2, 10_000),
               help="draft calls per graph for the query-scale overhead")
+@click.option("--docs-per-kind", default=1, show_default=True, type=click.IntRange(1, 3),
+              help="held-out documents per kind (prose: hamlet, macbeth, othello; code: argparse, subprocess, typing)")
+@click.option("--draft-tokens", default="", help="extra sharpdraft configurations verifying only the first k draft "
+              "tokens per block, e.g. 2,3,4 (configuration sharpdraft-k2, ...)")
+@click.option("--vocab-ab", is_flag=True, help="add sharpdraft-full-vocab: the drafter's LM head over the whole "
+              "vocabulary (when the engines folder has a draft vocabulary)")
+@click.option("--no-hf", is_flag=True, help="skip the transformers configurations (sweeps of sharpdraft settings)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/speed"),
               show_default=True)
 def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token: int, threads: int | None,
-         qs_reps: int, out: Path) -> None:
+         qs_reps: int, docs_per_kind: int, draft_tokens: str, vocab_ab: bool, no_hf: bool, out: Path) -> None:
     """Tokens/s of sharpdraft vs ONNX Runtime target-only vs transformers generate (plain / prompt lookup)."""
     import torch
     from tqdm import tqdm
@@ -265,33 +308,44 @@ def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token
     target_src = engine.manifest["target"]["source"]
     from runtime.models.target import resolve_target
 
-    hf = AutoModelForCausalLM.from_pretrained(resolve_target(target_src), dtype=torch.float32).eval()
+    hf = None if no_hf else AutoModelForCausalLM.from_pretrained(resolve_target(target_src),
+                                                                 dtype=torch.float32).eval()
     prompts = {}
     for kind in kind_list:
-        for name, ids in _prompts(engine.tokenizer, ctxs, end_token, [KINDS[kind]]).items():
-            prompts[f"{kind}@{name.rsplit('@', 1)[1]}"] = ids
+        for name, ids in _prompts(engine.tokenizer, ctxs, end_token, list(KINDS[kind][:docs_per_kind])).items():
+            doc, ctx = name.rsplit("@", 1)
+            prompts[f"{kind}@{ctx}/{doc}"] = ids
+    variants = {"sharpdraft": {}}
+    for k in (int(x) for x in draft_tokens.split(",") if x.strip()):
+        variants[f"sharpdraft-k{k}"] = {"num_draft_tokens": k}
+    if vocab_ab and getattr(engine.drafter, "draft_ids", None) is not None:
+        variants["sharpdraft-full-vocab"] = {"draft_vocab": False}
+    configs = [*variants, "ort-target-only"] + ([] if no_hf else ["hf-generate", "hf-prompt-lookup"])
     # warm-up: sessions, allocators, torch kernels
     warm = next(iter(prompts.values()))[:64]
     run_ort(engine, warm, 4, True)
     run_ort(engine, warm, 4, False)
-    run_hf(hf, warm, 4, False)
+    if hf is not None:
+        run_hf(hf, warm, 4, False)
     result = {"engine": str(engine_dir), "manifest_query_scale": engine.manifest["query_scale"],
               "family": engine.manifest["drafter"]["family"], "threads": threads, "new_tokens": new_tokens,
-              "contexts": ctxs, "kinds": kind_list, "configs": list(CONFIGS),
+              "contexts": ctxs, "kinds": kind_list, "configs": configs,
               "kv_io": engine.manifest["graphs"]["target"].get("kv_io", "concat"), "prompts": {}}
     out.mkdir(parents=True, exist_ok=True)
     for i, (key, ids) in enumerate(tqdm(prompts.items(), desc="prompts", file=sys.stderr)):
-        order = CONFIGS[i % len(CONFIGS):] + CONFIGS[: i % len(CONFIGS)]
+        order = configs[i % len(configs):] + configs[: i % len(configs)]
         runs = {}
         for c in order:
             if c.startswith("hf-"):
                 runs[c] = run_hf(hf, ids, new_tokens, lookup=c == "hf-prompt-lookup")
             else:
-                runs[c] = run_ort(engine, ids, new_tokens, speculative=c == "sharpdraft")
+                runs[c] = run_ort(engine, ids, new_tokens, speculative=c in variants, **variants.get(c, {}))
+        base = runs["ort-target-only"]["token_ids"]
         entry = {"prompt_tokens": len(ids), "order": list(order), "runs": runs,
-                 "lossless": runs["sharpdraft"]["token_ids"] == runs["ort-target-only"]["token_ids"],
-                 "hf_agrees_with_ort": runs["hf-generate"]["token_ids"] == runs["ort-target-only"]["token_ids"],
+                 "lossless": all(runs[v]["token_ids"] == base for v in variants),
                  "query_scale": query_scale_overhead(engine, ids, qs_reps, threads)}
+        if hf is not None:
+            entry["hf_agrees_with_ort"] = runs["hf-generate"]["token_ids"] == base
         result["prompts"][key] = entry
         (out / "bench_speed.json").write_text(json.dumps(result, indent=1))  # partial results survive a stop
         if not entry["lossless"]:
@@ -299,15 +353,7 @@ def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token
     result["summary"] = summarise(result)
     (out / "bench_speed.json").write_text(json.dumps(result, indent=1))
     pngs = _plots(result, out)
-    print(f"{'prompt':<12} {'MAL':>5} {'sd tok/s':>8} {'ort tok/s':>9} {'hf tok/s':>8} {'pl tok/s':>8} "
-          f"{'x ort':>6} {'x hf':>6} {'x pl':>6} {'ovh sd':>7} {'ovh ort':>7} {'qs':>6}")
-    for key, e in result["summary"].items():
-        print(f"{key:<12} {e['mal']:>5.2f} {e['sharpdraft']['decode_tokens_per_s']:>8.2f} "
-              f"{e['ort-target-only']['decode_tokens_per_s']:>9.2f} {e['hf-generate']['decode_tokens_per_s']:>8.2f} "
-              f"{e['hf-prompt-lookup']['decode_tokens_per_s']:>8.2f} {e['speedup_vs_ort-target-only']:>6.3f} "
-              f"{e['speedup_vs_hf-generate']:>6.3f} {e['speedup_vs_hf-prompt-lookup']:>6.3f} "
-              f"{e['overhead_ms_per_step']['sharpdraft']:>7.2f} {e['overhead_ms_per_step']['ort-target-only']:>7.2f} "
-              f"{e.get('query_scale_ratio', float('nan')):>6.3f}")
+    print(_table(result))
     print("wrote", out / "bench_speed.json", *pngs)
 
 

@@ -334,5 +334,31 @@ def save(work: Path, out: Path):
     print(f"wrote {out}")
 
 
+@cli.command("draft-vocab")
+@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
+@click.option("--size", default=8192, show_default=True, type=click.IntRange(1, None))
+@click.option("--out", default="drafters/dflash-smollm2-135m", type=click.Path(path_type=Path))
+def draft_vocab(work: Path, size: int, out: Path):
+    """Write ``draft_vocab.json``: the ``--size`` tokens the target emits most often as argmax labels over the
+    training shards (runtime/draft_vocab.py: the drafter's LM head scores only those)."""
+    import numpy as np
+
+    from runtime.draft_vocab import DRAFT_VOCAB_FILE, write_draft_vocab
+
+    shards = sorted((work / "data").glob("shard_*.pt"))
+    if not shards:
+        raise click.UsageError(f"no shards under {work / 'data'}; run the `data` step first")
+    counts = None
+    for f in shards:
+        for rec in torch.load(f)["records"]:
+            c = np.bincount(rec["labels"].numpy().astype(np.int64), minlength=1)
+            counts = c if counts is None else np.pad(counts, (0, max(0, c.size - counts.size)))
+            counts[: c.size] += c
+    ids = write_draft_vocab(out / DRAFT_VOCAB_FILE, counts, size,
+                            f"scripts/train_dflash.py draft-vocab --size {size}: the most frequent target argmax "
+                            f"labels over {int(counts.sum())} training positions ({len(shards)} shards)")
+    print(f"wrote {out / DRAFT_VOCAB_FILE}: {ids.size} ids covering {counts[ids].sum() / counts.sum():.4f} of labels")
+
+
 if __name__ == "__main__":
     cli()
