@@ -3,18 +3,22 @@
 Configurations, run one after another on every prompt (their order rotates from prompt to prompt, so drift of a
 noisy machine hits them alike):
 
-- ``sharpdraft``: speculative decoding through an engines/ folder (ONNX Runtime target + drafter, greedy);
-- ``ort-target-only``: the same target graph without a drafter (the lossless reference: ``sharpdraft`` must emit
-  the same tokens, checked on every prompt);
+- ``sharpdraft``: speculative decoding through an engines/ folder (ONNX Runtime target + drafter, greedy, the
+  folder's defaults: draft vocabulary, ``verify_draft_tokens``);
+- ``sharpdraft-k{K}`` (``--draft-tokens``): the same, verifying K draft tokens per round;
+  ``sharpdraft-full-vocab`` (``--vocab-ab``): the drafter's LM head over the whole vocabulary;
+- ``ort-target-only``: the same target graph without a drafter (the lossless reference: every sharpdraft
+  configuration must emit the same tokens, checked on every prompt);
 - ``hf-generate``: transformers ``generate`` on the same target (fp32, its default SDPA attention, greedy);
 - ``hf-prompt-lookup``: transformers ``generate(prompt_lookup_num_tokens=10)``, its training-free speculation.
 
-Prompts: for each kind (``prose`` = hamlet, ``code`` = argparse.py; held out from training, scripts/corpus.py) and
-each context C, the C tokens ending at token ``--end-token`` of the document, then ``--new-tokens`` tokens
-(EOS ignored, so every configuration emits the same count). Reported per prompt: tokens/s with and without
-prefill, prefill seconds, MAL, draft / verify seconds, and for the ONNX Runtime configurations the time per decode
-step spent inside ONNX Runtime calls and outside them (the runtime's own overhead: batching, cache writes,
-sampling, bookkeeping). Ratios are taken per prompt, then geo-meaned.
+Prompts: for each kind (``prose`` = hamlet, macbeth, othello; ``code`` = argparse.py, subprocess.py, typing.py; the
+first ``--docs-per-kind`` of them; all held out from training, scripts/corpus.py) and each context C, the C tokens
+ending at token ``--end-token`` of the document, then ``--new-tokens`` tokens (EOS ignored, so every configuration
+emits the same count). Reported per prompt: tokens/s with and without prefill, prefill seconds, MAL, draft / verify
+ms per step, and for the ONNX Runtime configurations the time per decode step inside ONNX Runtime calls and outside
+them (the runtime's own overhead: batching, cache writes, sampling, bookkeeping). Ratios are taken per prompt and
+geo-meaned over a kind's documents.
 
 The query-scale overhead is measured on the same drafter: its graph as exported (with the in-graph beta) against
 the same graph with the beta nodes removed (``export.rewrite.remove_query_scale``), drafting one block from the
@@ -85,24 +89,31 @@ def run_ort(engine, ids: list[int], new_tokens: int, speculative: bool, num_draf
 
 
 def run_hf(model, ids: list[int], new_tokens: int, lookup: bool) -> dict:
-    """transformers ``generate`` (greedy, EOS ignored); prefill timed as a 1-token generate of the same prompt."""
+    """transformers ``generate`` (greedy, EOS ignored); prefill = time to the first generated token (a streamer
+    timestamps what generate emits)."""
     import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):  # first call: the prompt; then each step's new token(s)
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
 
     cfg = copy.deepcopy(model.generation_config)
     cfg.update(do_sample=False, eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None,
-               prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if lookup else None)
-    x = torch.tensor([ids])
+               max_new_tokens=new_tokens, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if lookup else None)
+    clock = Clock()
     with torch.inference_mode():
-        one = copy.deepcopy(cfg)
-        one.update(max_new_tokens=1, prompt_lookup_num_tokens=None)
         t0 = time.perf_counter()
-        model.generate(x, generation_config=one)
-        prefill_s = time.perf_counter() - t0
-        cfg.update(max_new_tokens=new_tokens)
-        t0 = time.perf_counter()
-        out = model.generate(x, generation_config=cfg)
+        out = model.generate(torch.tensor([ids]), generation_config=cfg, streamer=clock)
         total = time.perf_counter() - t0
     toks = out[0, len(ids):].tolist()
+    prefill_s = clock.times[1] - t0
     decode_s = max(total - prefill_s, 1e-9)
     return {"token_ids": toks, "new_tokens": len(toks), "prefill_s": round(prefill_s, 4),
             "decode_s": round(decode_s, 4), "tokens_per_s": round(len(toks) / total, 3),
@@ -123,25 +134,25 @@ def _draft_contexts(drafter, feats: np.ndarray, ids: list[int], full: bool) -> l
 def query_scale_overhead(engine, ids: list[int], reps: int, threads: int | None = None) -> dict:
     """Draft-call time of the exported drafter graph (beta in-graph) vs the same graph without the beta nodes.
 
-    The drafter cache holds the prompt; each timed call re-drafts after its last position (cache truncated back
-    to ``len(ids) - 1``), so both graphs see N = len(ids) + block keys. Calls alternate between the graphs.
+    The drafter cache holds the prompt (its context features are zeros: timing does not depend on values, and
+    no target prefill is needed); each timed call re-drafts after its last position (cache truncated back to
+    ``len(ids) - 1``), so both graphs see N = len(ids) + block keys. Calls alternate between the graphs.
     """
     import onnx_ir as ir
     import onnxruntime as ort
 
     from export.rewrite import remove_query_scale
     from runtime.ort_engines import providers, session_options
-    from runtime.sampling import SamplingParams
 
-    drafter = engine.drafter
-    graph = ir.load(engine.engine_dir / engine.manifest["graphs"]["drafter"]["file"])
+    drafter, m = engine.drafter, engine.manifest
+    graph = ir.load(engine.engine_dir / m["graphs"]["drafter"]["file"])
     ir.external_data.load_to_model(graph)  # weights in memory: the session is built from bytes
     removed = remove_query_scale(graph)
     frozen = ort.InferenceSession(ir.to_proto(graph).SerializeToString(), session_options(threads),
                                   providers=providers("cpu"))
-    seq = engine.add_request(ids, SamplingParams(max_new_tokens=2, ignore_eos=True))
-    engine.step()  # prefill: the target features of the prompt
-    feats, bonus = seq.pending_ctx, seq.out[-1]
+    taps = m["drafter"].get("target_layer_ids") or m["drafter"].get("aux_layer_ids") or []
+    feats = np.zeros((len(ids), len(taps) * m["target"]["hidden_size"]), np.float32)
+    bonus = ids[-1]
     cache = drafter.new_cache()
     drafter.draft([cache], [bonus], _draft_contexts(drafter, feats, ids, full=True))
     scaled_session = drafter.session
@@ -157,7 +168,6 @@ def query_scale_overhead(engine, ids: list[int], reps: int, threads: int | None 
                 times[which].append(time.perf_counter() - t0)
     finally:
         drafter.session = scaled_session
-        engine.abort(seq.request_id)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"beta_muls_removed": removed, "scaled_ms": round(1000 * med["scaled"], 3),
             "frozen_ms": round(1000 * med["frozen"], 3), "ratio": round(med["scaled"] / med["frozen"], 4)}

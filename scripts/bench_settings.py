@@ -1,0 +1,146 @@
+"""Runtime settings chosen by measurement: ONNX Runtime threads / spinning, and the prefill chunk size.
+
+1. Threads: for each (intra-op threads, allow_spinning) setting, fresh target and drafter sessions time, in the
+   loop's own order, one drafter call and one verify call (1 + k tokens) on a cache of ``--context`` tokens, and
+   a target-only decode step. Settings are interleaved round by round (noise hits them alike); medians reported.
+2. Prefill chunk: the prompt's prefill time (and peak memory growth) per chunk size, same engine, interleaved.
+
+  python scripts/bench_settings.py --engine engines --context 1024 --out runs/bench/settings
+
+Writes ``bench_settings.json`` and ``settings.png`` under ``--out``; the README records what was chosen from it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _pair(engine_dir: Path, manifest: dict, threads: int, spin: str):
+    from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
+
+    os.environ["SHARPDRAFT_ORT_SPIN"] = spin
+    try:
+        return OrtTarget(engine_dir, manifest, "cpu", threads), OrtDFlashDrafter(engine_dir, manifest, "cpu", threads)
+    finally:
+        os.environ.pop("SHARPDRAFT_ORT_SPIN", None)
+
+
+def time_threads(engine_dir: Path, manifest: dict, ids: list[int], settings: list[tuple[int, str]], k: int,
+                 rounds: int) -> dict:
+    """Median ms of a draft call, a verify call of 1 + k tokens and a decode step per (threads, spin) setting."""
+    pairs = {s: _pair(engine_dir, manifest, *s) for s in settings}
+    state = {}
+    for s, (target, drafter) in pairs.items():
+        cache = target.new_cache()
+        last, feats = target.prefill(cache, ids[:-1])
+        dcache = drafter.new_cache()
+        drafter.draft([dcache], [ids[-1]], [feats[:-1]])
+        state[s] = (cache, dcache, feats)
+    times = {s: {"draft": [], "verify": [], "decode": []} for s in settings}
+    n = len(ids) - 1
+    for _ in range(rounds):
+        for s, (target, drafter) in pairs.items():
+            cache, dcache, feats = state[s]
+            dcache.truncate(n - 1)
+            t0 = time.perf_counter()
+            drafter.draft([dcache], [ids[-1]], [feats[-1:]])
+            t1 = time.perf_counter()
+            target.forward([cache], [ids[-1:] * (k + 1)])
+            cache.truncate(n)
+            t2 = time.perf_counter()
+            target.forward([cache], [ids[-1:]])
+            cache.truncate(n)
+            t3 = time.perf_counter()
+            for key, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("decode", t3 - t2)):
+                times[s][key].append(dt)
+    return {f"threads={t},spin={sp}": {key: round(1000 * statistics.median(v[key][1:]), 3) for key in v}
+            for (t, sp), v in times.items()}
+
+
+def time_prefill(engine_dir: Path, manifest: dict, ids: list[int], chunks: list[int], threads: int | None,
+                 rounds: int) -> dict:
+    """Median prefill seconds of ``ids`` per chunk size (0 = the whole prompt in one call)."""
+    from runtime.ort_engines import OrtTarget
+
+    target = OrtTarget(engine_dir, manifest, "cpu", threads)
+    times = {c: [] for c in chunks}
+    for _ in range(rounds):
+        for c in chunks:
+            target.prefill_chunk = c or len(ids)
+            t0 = time.perf_counter()
+            target.prefill(target.new_cache(), ids)
+            times[c].append(time.perf_counter() - t0)
+    return {str(c): round(statistics.median(v), 3) for c, v in times.items()}
+
+
+def _plot(result: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(result["threads"])
+    x = np.arange(len(names))
+    for j, key in enumerate(("draft", "verify", "decode")):
+        axes[0].bar(x + (j - 1) * 0.27, [result["threads"][n][key] for n in names], 0.27, label=key)
+    axes[0].set_xticks(x, names, rotation=15, fontsize=8)
+    axes[0].set(ylabel="ms (median)", title=f"ORT settings at {result['context']} tokens (verify 1 + {result['k']})")
+    axes[0].legend()
+    chunks = list(result["prefill_s"])
+    axes[1].bar(range(len(chunks)), [result["prefill_s"][c] for c in chunks])
+    axes[1].set_xticks(range(len(chunks)), [c if c != "0" else "whole" for c in chunks])
+    axes[1].set(xlabel="prefill chunk (tokens)", ylabel="prefill s (median)",
+                title=f"prefill of {result['prefill_tokens']} tokens")
+    fig.tight_layout()
+    path = out / "settings.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@click.command()
+@click.option("--engine", "engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=ROOT / "engines", show_default=True)
+@click.option("--context", default=1024, show_default=True, type=int, help="cache length for the thread timings")
+@click.option("--prefill-tokens", default=4096, show_default=True, type=int)
+@click.option("--chunks", default="256,512,1024,0", show_default=True, help="prefill chunk sizes (0 = whole)")
+@click.option("--k", default=2, show_default=True, type=int, help="draft tokens per verify call")
+@click.option("--rounds", default=15, show_default=True, type=click.IntRange(2, 1000))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/settings"),
+              show_default=True)
+def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: int, rounds: int, out: Path) -> None:
+    """Time ONNX Runtime thread / spinning settings and prefill chunk sizes on an engines folder."""
+    from runtime.manifest import load_manifest
+    from scripts.bench_long_context import _prompts
+    from transformers import AutoTokenizer
+
+    manifest = load_manifest(engine_dir)
+    tok = AutoTokenizer.from_pretrained(engine_dir / "tokenizer")
+    longest = max(context, prefill_tokens)
+    ids = _prompts(tok, [longest], 7700, ["hamlet_gut"])[f"hamlet_gut@{longest}"]
+    cores = os.cpu_count() or 1
+    settings = [(t, sp) for t in sorted({1, cores}) for sp in ("0", "1")]
+    result = {"engine": str(engine_dir), "context": context, "k": k, "cores": cores,
+              "threads": time_threads(engine_dir, manifest, ids[-context:], settings, k, rounds),
+              "prefill_tokens": prefill_tokens,
+              "prefill_s": time_prefill(engine_dir, manifest, ids[-prefill_tokens:],
+                                        [int(c) for c in chunks.split(",")], None, max(2, rounds // 5))}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_settings.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k in ("threads", "prefill_s")}, indent=1))
+    print("wrote", out / "bench_settings.json", _plot(result, out))
+
+
+if __name__ == "__main__":
+    main()
