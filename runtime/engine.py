@@ -265,7 +265,9 @@ class SpecEngine:
             last, feats = logits[0, n - 1], feats[0]
         token = seq.sampler.next_token(last)
         seq.finish_reason = seq.stopper.extend(seq.out, [token])
-        seq.pending_ctx = feats[:n]
+        # the drafter's context (target features of positions it has not cached); a row that never drafts keeps
+        # none, so target-only decoding does not copy a growing [length, F] array every step
+        seq.pending_ctx = feats[:n] if seq.num_draft_tokens > 0 else None
         seq.stats.prefill_s = time.perf_counter() - t0
         seq.stats.new_tokens = len(seq.out)
         return [token]
@@ -319,7 +321,8 @@ class SpecEngine:
                 s.target_cache = s.drafter_cache = s.pending_ctx = None  # release at once
             else:
                 s.target_cache.truncate(base + n_new)  # x_s and the emitted tokens but the new pending bonus
-                s.pending_ctx = np.concatenate([s.pending_ctx, feats[r, :n_new]], axis=0)
+                if s.pending_ctx is not None:
+                    s.pending_ctx = np.concatenate([s.pending_ctx, feats[r, :n_new]], axis=0)
                 if self.check_invariants:
                     self._check_round(s, drafts[r])
             emitted.append((s, s.out[before:]))
@@ -347,7 +350,7 @@ class SpecEngine:
             if s.drafter_cache.length > s.committed:  # PARD caches committed tokens only (mask slots dropped)
                 raise InvariantError(f"drafter cache {s.drafter_cache.length} holds more than the committed tokens "
                                      f"{s.committed}: unverified (mask) K/V were kept")
-        elif self.drafter is not None:
+        elif self.drafter is not None and s.pending_ctx is not None:
             cached = s.drafter_cache.length
             if cached + s.pending_ctx.shape[0] != s.committed:
                 raise InvariantError(f"drafter cache {cached} + pending context {s.pending_ctx.shape[0]} != "
