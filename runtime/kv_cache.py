@@ -90,13 +90,14 @@ class StaticKVCache:
     ``[1, kv_heads, capacity, head_dim]`` float32, of which the first ``length`` positions are valid.
 
     Appending writes the new positions in place; :meth:`truncate` (rollback of rejected draft tokens) only moves
-    ``length``; the buffers grow by re-allocation (``GROWTH`` x, rounded up to ``ALIGN`` positions) when a step
-    needs more room, so copies of the whole cache happen O(log length) times per sequence, never per step. Spare
+    ``length``; the buffers grow by re-allocation (to at least ``GROWTH`` x their capacity, rounded up to ``ALIGN``
+    positions) when a step needs more room, so a decode step copies no cache and a growth copy comes once per
+    ~length / 8 new tokens, while masked spare slots (which a graph call still reads) stay under ~1/8. Spare
     slots start as zeros (finite: a masked slot must not turn a score into NaN) and afterwards hold rolled-back
     positions, which the caller masks out.
     """
 
-    GROWTH = 1.25
+    GROWTH = 1.125
     ALIGN = 256
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype=np.float32) -> None:

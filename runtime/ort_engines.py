@@ -141,8 +141,8 @@ class OrtTarget(_Graph):
         Raises:
             ValueError: as :meth:`forward`.
         """
-        if self.static:
-            cache.reserve(cache.length + len(tokens) + StaticKVCache.ALIGN)  # room for the decode steps after
+        # A static cache grows chunk by chunk: each chunk's call reads (and masks) the whole buffer, so reserving
+        # the prompt's length up front would make every chunk attend to it (measured: 2x slower at 6k tokens).
         step = max(1, self.prefill_chunk)
         taps = []
         for i in range(0, len(tokens), step):

@@ -3,7 +3,10 @@
 1. Threads: for each (intra-op threads, allow_spinning) setting, fresh target and drafter sessions time, in the
    loop's own order, one drafter call and one verify call (1 + k tokens) on a cache of ``--context`` tokens, and
    a target-only decode step. Settings are interleaved round by round (noise hits them alike); medians reported.
-2. Prefill chunk: the prompt's prefill time (and peak memory growth) per chunk size, same engine, interleaved.
+2. Prefill chunk: the prompt's prefill time per chunk size, same engine, interleaved.
+3. KV form (``--compare-engine DIR``, a folder whose target graph returns past + new K/V, i.e. exported before
+   kv_io "static"): decode-step and verify-call times of both target graphs at each ``--kv-contexts`` length,
+   interleaved, split into time inside ONNX Runtime and outside it.
 
   python scripts/bench_settings.py --engine engines --context 1024 --out runs/bench/settings
 
@@ -83,6 +86,40 @@ def time_prefill(engine_dir: Path, manifest: dict, ids: list[int], chunks: list[
     return {str(c): round(statistics.median(v), 3) for c, v in times.items()}
 
 
+def time_kv_forms(folders: dict[str, Path], contexts: list[int], k: int, rounds: int) -> dict:
+    """Median ms of a decode step and a verify call (1 + k tokens) per target graph form and context length, with
+    the part spent inside ONNX Runtime. Caches hold random K/V (timing does not depend on values)."""
+    from runtime.manifest import load_manifest
+    from runtime.ort_engines import OrtTarget
+
+    targets = {name: OrtTarget(d, load_manifest(d), "cpu", None) for name, d in folders.items()}
+    rng = np.random.default_rng(0)
+    out = {}
+    for n in contexts:
+        caches = {}
+        for name, t in targets.items():
+            cache = t.new_cache()
+            kv = [rng.standard_normal((1, t.kv_heads, n, t.head_dim)).astype(np.float32)
+                  for _ in range(2 * t.num_layers)]
+            if t.static:
+                cache.append(kv, n)
+            else:
+                cache.kv = kv
+            caches[name] = cache
+        times = {name: {"decode": [], "verify": [], "decode_ort": [], "verify_ort": []} for name in targets}
+        for _ in range(rounds):
+            for name, t in targets.items():
+                for key, q in (("decode", 1), ("verify", k + 1)):
+                    ort0, t0 = t.ort_s, time.perf_counter()
+                    t.forward([caches[name]], [[100] * q])
+                    times[name][key].append(time.perf_counter() - t0)
+                    times[name][key + "_ort"].append(t.ort_s - ort0)
+                    caches[name].truncate(n)
+        out[str(n)] = {name: {key: round(1000 * statistics.median(v[1:]), 3) for key, v in d.items()}
+                       for name, d in times.items()}
+    return out
+
+
 def _plot(result: dict, out: Path) -> Path:
     import matplotlib
 
@@ -117,9 +154,14 @@ def _plot(result: dict, out: Path) -> Path:
 @click.option("--chunks", default="256,512,1024,0", show_default=True, help="prefill chunk sizes (0 = whole)")
 @click.option("--k", default=2, show_default=True, type=int, help="draft tokens per verify call")
 @click.option("--rounds", default=15, show_default=True, type=click.IntRange(2, 1000))
+@click.option("--compare-engine", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="an engines folder with a concat-form target graph: time both KV forms side by side")
+@click.option("--kv-contexts", default="512,2048,6144", show_default=True)
+@click.option("--skip-threads", is_flag=True, help="only the KV-form comparison (with --compare-engine)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/settings"),
               show_default=True)
-def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: int, rounds: int, out: Path) -> None:
+def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: int, rounds: int,
+         compare_engine: Path | None, kv_contexts: str, skip_threads: bool, out: Path) -> None:
     """Time ONNX Runtime thread / spinning settings and prefill chunk sizes on an engines folder."""
     from runtime.manifest import load_manifest
     from scripts.bench_long_context import _prompts
@@ -131,15 +173,20 @@ def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: in
     ids = _prompts(tok, [longest], 7700, ["hamlet_gut"])[f"hamlet_gut@{longest}"]
     cores = os.cpu_count() or 1
     settings = [(t, sp) for t in sorted({1, cores}) for sp in ("0", "1")]
-    result = {"engine": str(engine_dir), "context": context, "k": k, "cores": cores,
-              "threads": time_threads(engine_dir, manifest, ids[-context:], settings, k, rounds),
-              "prefill_tokens": prefill_tokens,
-              "prefill_s": time_prefill(engine_dir, manifest, ids[-prefill_tokens:],
-                                        [int(c) for c in chunks.split(",")], None, max(2, rounds // 5))}
+    result = {"engine": str(engine_dir), "context": context, "k": k, "cores": cores}
+    if not skip_threads:
+        result["threads"] = time_threads(engine_dir, manifest, ids[-context:], settings, k, rounds)
+        result["prefill_tokens"] = prefill_tokens
+        result["prefill_s"] = time_prefill(engine_dir, manifest, ids[-prefill_tokens:],
+                                           [int(c) for c in chunks.split(",")], None, max(2, rounds // 5))
+    if compare_engine is not None:
+        result["kv_forms"] = time_kv_forms({"static": engine_dir, "concat": compare_engine},
+                                           [int(c) for c in kv_contexts.split(",")], k, rounds)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_settings.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k in ("threads", "prefill_s")}, indent=1))
-    print("wrote", out / "bench_settings.json", _plot(result, out))
+    name = "bench_settings.json" if not skip_threads else "bench_kv_forms.json"
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k in ("threads", "prefill_s", "kv_forms")}, indent=1))
+    print("wrote", out / name, *([_plot(result, out)] if not skip_threads else []))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""scripts/bench_speed.py and scripts/bench_settings.py end to end on the tiny engines."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_speed_on_tiny_engines(tiny_engines, tmp_path):
+    out = tmp_path / "speed"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_speed.py"), "--engine", str(tiny_engines),
+                        "--contexts", "64,128", "--kinds", "prose,code", "--new-tokens", "6", "--end-token", "400",
+                        "--draft-tokens", "1", "--threads", "1", "--qs-reps", "4", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "bench_speed.json").read_text())
+    assert res["configs"] == ["sharpdraft", "sharpdraft-k1", "ort-target-only", "hf-generate", "hf-prompt-lookup"]
+    assert res["kv_io"] == "static"
+    assert set(res["prompts"]) == {"prose@64/hamlet_gut", "prose@128/hamlet_gut", "code@64/argparse.py",
+                                   "code@128/argparse.py"}
+    for entry in res["prompts"].values():
+        assert entry["lossless"]
+        assert isinstance(entry["hf_agrees_with_ort"], bool)
+        runs = entry["runs"]
+        assert all(run["new_tokens"] == 6 for run in runs.values())
+        assert runs["sharpdraft-k1"]["acceptance"] and len(runs["sharpdraft-k1"]["acceptance"]) == 1
+        for c in ("sharpdraft", "ort-target-only"):
+            assert 0 <= runs[c]["overhead_ms_per_step"] <= runs[c]["step_ms_median"]
+        qs = entry["query_scale"]
+        assert qs["beta_muls_removed"] == 2 and qs["ratio"] > 0  # the tiny drafter has 2 scaled attentions
+    for group in ("prose@64", "prose@128", "code@64", "code@128"):
+        g = res["summary"][group]
+        assert g["lossless"] and g["sharpdraft"]["mal"] >= 1.0
+        assert g["sharpdraft"]["speedup_vs_hf-generate"] > 0 and g["sharpdraft-k1"]["speedup_vs_ort-target-only"] > 0
+    for name in ("speed_vs_context.png", "overhead_vs_context.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert "baselines tok/s" in r.stdout
+
+
+def test_bench_speed_refuses_unknown_kind(tiny_engines, tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_speed.py"), "--engine", str(tiny_engines),
+                        "--kinds", "poetry", "--no-hf", "--out", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode != 0 and "unknown kinds" in r.stderr
+
+
+def test_bench_settings_on_tiny_engines(tiny_engines, tmp_path):
+    out = tmp_path / "settings"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_settings.py"), "--engine", str(tiny_engines),
+                        "--context", "64", "--prefill-tokens", "96", "--chunks", "32,0", "--rounds", "3",
+                        "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "bench_settings.json").read_text())
+    assert set(res["prefill_s"]) == {"32", "0"} and all(v > 0 for v in res["prefill_s"].values())
+    assert len(res["threads"]) >= 2
+    assert all(v["draft"] > 0 and v["verify"] > 0 and v["decode"] > 0 for v in res["threads"].values())
+    assert (out / "settings.png").read_bytes()[:4] == b"\x89PNG"
