@@ -209,6 +209,17 @@ def summarise(result: dict) -> dict:
     return out
 
 
+def _save(fig, axes, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plots(result: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -230,12 +241,7 @@ def _plots(result: dict, out: Path) -> list[Path]:
     axes[1].axhline(1.0, color="grey", ls=":")
     axes[1].set(xscale="log", xlabel="context tokens", ylabel="sharpdraft decode tokens/s ratio",
                 title="sharpdraft speedup (geo-mean over documents)")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p1 = out / "speed_vs_context.png"
-    fig.savefig(p1, dpi=110)
-    plt.close(fig)
+    p1 = _save(fig, axes, out / "speed_vs_context.png")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for kind, ls in zip(result["kinds"], ("-", "--")):
         for c in ("sharpdraft", "ort-target-only"):
@@ -248,12 +254,7 @@ def _plots(result: dict, out: Path) -> list[Path]:
     axes[1].axhline(1.02, color="red", ls=":", label="goal 1.02")
     axes[1].set(xscale="log", xlabel="context tokens", ylabel="drafter call time, beta / no beta",
                 title="query-scale overhead (median)")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p2 = out / "overhead_vs_context.png"
-    fig.savefig(p2, dpi=110)
-    plt.close(fig)
+    p2 = _save(fig, axes, out / "overhead_vs_context.png")
     return [p1, p2]
 
 
