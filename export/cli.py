@@ -27,16 +27,21 @@ from export.rewrite import QueryScaleRewriteError
               help="also write drafter_fused/model.onnx with attention + beta as one sharpdraft::QueryScaledAttention "
                    "node per layer (TensorRT plugin form, plugins/tensorrt_plugin.py), validated against model.onnx")
 @click.option("--num-draft-tokens", type=int, default=None,
-              help="PARD: draft tokens per forward, K (static in the graph; default: the checkpoint's, else 8)")
+              help="PARD / EAGLE-3: draft tokens per round, K (PARD: static in the graph; default: the checkpoint's, "
+                   "else 8 for PARD and 5 for EAGLE-3)")
 @click.option("--full-vocab", is_flag=True,
               help="DFlash: draft over the target's whole vocabulary even if the checkpoint ships a "
                    "draft_vocab.json (reduced LM head, runtime/draft_vocab.py)")
 @click.option("--verify-draft-tokens", type=int, default=None,
               help="draft tokens the runtime verifies per round by default (<= the drafter's; requests may ask "
                    "for others; default: the checkpoint's sharpdraft_verify_draft_tokens, else all)")
+@click.option("--target-kv-io", type=click.Choice(["auto", "static", "concat"]), default="auto", show_default=True,
+              help="target graph's KV interface: static (new K/V out, past read in place from preallocated "
+                   "buffers), concat (past + new out, transformers' own forward; any architecture), auto = static "
+                   "where supported")
 @click.option("-v", "--verbose", is_flag=True)
 def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
-         full_vocab, verify_draft_tokens, verbose):
+         full_vocab, verify_draft_tokens, target_kv_io, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
@@ -44,7 +49,8 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
                            slope=slope, cap=cap, query_scale=not no_query_scale,
                            fused_attention=fused_attention, num_draft_tokens=num_draft_tokens,
-                           full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens)
+                           full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens,
+                           target_kv_io=target_kv_io)
         manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
         click.echo(f"sharpdraft-export: error: {e}", err=True)

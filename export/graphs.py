@@ -18,7 +18,7 @@ drafter  inputs  input_ids [batch, block] int64 (bonus token, then mask ids), ta
                  right-padded: N of row b = sum(attention_mask[b]), read by the beta subgraph),
                  past_key.{i}/past_value.{i} [batch, kv_heads, past_len, head_dim],
                  embed_weight [vocab, hidden], lm_head_weight [draft_vocab, hidden] (the target's own tensors, fed at
-                 run time so the drafter graph never duplicates them: see export/manifest.py; the LM head's rows are
+                 run time so the drafter graph never duplicates them: see runtime/manifest.py; the LM head's rows are
                  dynamic, so the runtime may feed only a draft vocabulary's rows, runtime/draft_vocab.py)
          outputs logits [batch, block - 1, draft_vocab] f32 (block is static: the drafter's trained block size) (slots 1..B-1), present_key.{i}/present_value.{i}
                  [batch, kv_heads, past_len + ctx_len, head_dim] (context only: block keys are never cached).

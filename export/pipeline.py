@@ -51,6 +51,7 @@ class ExportConfig:
     num_draft_tokens: int | None = None  # PARD: K drafted per forward (static in the graph)
     full_vocab: bool = False  # DFlash: ignore the checkpoint's draft_vocab.json (draft over the whole vocabulary)
     verify_draft_tokens: int | None = None  # runtime default of draft tokens verified per round (<= drafted)
+    target_kv_io: str = "auto"  # export/graphs.py export_target: "static", "concat" or "auto"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -58,6 +59,8 @@ class ExportConfig:
         if self.family not in DEFAULT_CHECKPOINTS:
             raise ExportError(f"--drafter {self.family}: not supported by this version yet "
                               f"({', '.join(DEFAULT_CHECKPOINTS)} only)")
+        if self.target_kv_io not in ("auto", "static", "concat"):
+            raise ExportError(f"target_kv_io must be auto, static or concat, not {self.target_kv_io!r}")
         if self.verify_draft_tokens is not None and self.verify_draft_tokens < 1:
             raise ExportError(f"--verify-draft-tokens must be >= 1, got {self.verify_draft_tokens}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
@@ -272,7 +275,7 @@ def run_export(cfg: ExportConfig) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
         log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
-        target_io = export_target(target, taps, tmp / "target" / "model.onnx")
+        target_io = export_target(target, taps, tmp / "target" / "model.onnx", kv_io=cfg.target_kv_io)
         log.info("exporting drafter ...")
         switch = "query_scale_enabled" if profile.enabled else None
         fc_io = None

@@ -286,7 +286,7 @@ def _table(result: dict) -> str:
 @click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(2, 4096))
 @click.option("--end-token", default=7700, show_default=True, type=int, help="prompts end at this token")
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads and torch threads "
-              "(default: ONNX Runtime's session default and torch's)")
+              "(default: $SHARPDRAFT_THREADS, else the CPU count, for ONNX Runtime; torch's own default)")
 @click.option("--qs-reps", default=60, show_default=True, type=click.IntRange(2, 10_000),
               help="draft calls per graph for the query-scale overhead")
 @click.option("--docs-per-kind", default=1, show_default=True, type=click.IntRange(1, 3),

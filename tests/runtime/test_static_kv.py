@@ -118,3 +118,24 @@ def test_static_ragged_batch_equals_solo_rows(tiny_model, tmp_path):
         assert caches[r].length == c_solo.length
         for a, b in zip(caches[r].kv, c_solo.kv):
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_export_option_concat_form_runs_lossless_and_equals_static(tiny_target_dir, tiny_dflash_dir, tiny_engines,
+                                                                   tmp_path):
+    """``--target-kv-io concat`` writes the former target form; the runtime drives both to the same tokens."""
+    from export.pipeline import ExportConfig, ExportError, run_export
+    from runtime.engine import SpecEngine
+
+    out = tmp_path / "concat"
+    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+                            ref_keys=64, target_kv_io="concat"))
+    concat = SpecEngine.from_dir(out, device="cpu", check_invariants=True)
+    static = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
+    assert concat.manifest["graphs"]["target"]["kv_io"] == "concat"
+    assert static.manifest["graphs"]["target"]["kv_io"] == "static"
+    assert "present_key.0" in concat.manifest["graphs"]["target"]["outputs"]
+    ids = static.tokenizer.encode("The quick brown fox")
+    want = static.generate_target_only(ids, 20).token_ids
+    assert concat.generate(ids, 20).token_ids == static.generate(ids, 20).token_ids == want
+    with pytest.raises(ExportError, match="target_kv_io"):
+        ExportConfig(family="dflash", out=tmp_path / "x", target_kv_io="paged")
