@@ -256,6 +256,12 @@ def run_export(cfg: ExportConfig) -> dict:
     check_pair(drafter, target)
     check_vocabulary(ckpt, drafter.config.vocab_size, target.config.vocab_size, tok)
     profile, profile_source = choose_profile(cfg, drafter)
+    draft_ids = None  # checked before any graph is exported: a bad file fails in seconds, not after the export
+    if cfg.family == "dflash" and not cfg.full_vocab and (Path(ckpt) / DRAFT_VOCAB_FILE).is_file():
+        try:
+            draft_ids = load_draft_vocab(Path(ckpt) / DRAFT_VOCAB_FILE, target.config.vocab_size)
+        except DraftVocabError as e:
+            raise ExportError(f"{e} (or export with --full-vocab)") from e
     if pard:
         taps = []
     elif eagle3:  # TargetForExport taps hidden_states[i + 1]; EAGLE-3 names hidden_states indices
@@ -296,12 +302,7 @@ def run_export(cfg: ExportConfig) -> dict:
         if profile.enabled:  # the rewrite added a per-row on/off input (per-request A/B of the query scale)
             drafter_io["inputs"] = [*drafter_io["inputs"], "query_scale_enabled"]
         log.info("query-scale rewrite: %s", counts)
-        draft_ids = None
-        if cfg.family == "dflash" and not cfg.full_vocab and (Path(ckpt) / DRAFT_VOCAB_FILE).is_file():
-            try:
-                draft_ids = load_draft_vocab(Path(ckpt) / DRAFT_VOCAB_FILE, target.config.vocab_size)
-            except DraftVocabError as e:
-                raise ExportError(f"{e} (or export with --full-vocab)") from e
+        if draft_ids is not None:
             shutil.copyfile(Path(ckpt) / DRAFT_VOCAB_FILE, tmp / "drafter" / DRAFT_VOCAB_FILE)
         shared = find_shared_weights(tmp / "target" / "model.onnx")
         shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
