@@ -1,0 +1,102 @@
+"""DFlash training layout (scripts/train_dflash.py): dense mask, equivalence of the batched training forward with
+the inference draft step, and the draft-vocabulary loss."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from runtime.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
+from scripts.train_dflash import BLOCK, accept_len, block_hidden, block_loss, dense_mask  # noqa: E402
+
+VOCAB, HIDDEN, SEQ = 97, 32, 40
+
+
+def _drafter() -> DFlashDrafter:
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=VOCAB, block_size=BLOCK, mask_token_id=VOCAB,
+                       target_layer_ids=[0, 1, 2], num_target_layers=4, rope_theta=10000.0,
+                       max_position_embeddings=256)
+    d = DFlashDrafter(cfg).eval()
+    with torch.no_grad():  # random, non-degenerate weights everywhere (norms included)
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    return d
+
+
+def _record(seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (SEQ,), generator=g, dtype=torch.int32)
+    return {"ids": ids, "taps": torch.randn(SEQ, 3 * HIDDEN, generator=g).to(torch.bfloat16),
+            "labels": torch.randint(0, VOCAB, (SEQ,), generator=g, dtype=torch.int32)}
+
+
+def test_dense_mask_hand_example():
+    m = dense_mask(torch.tensor([3]), seq_len=4, block=2)
+    assert m.tolist() == [[True, True, True, False, True, True]] * 2
+    m = dense_mask(torch.tensor([1, 2]), seq_len=3, block=2)
+    assert m.tolist() == [[True, False, False, True, True, False, False],
+                          [True, False, False, True, True, False, False],
+                          [True, True, False, False, False, True, True],
+                          [True, True, False, False, False, True, True]]
+
+
+def test_training_forward_equals_inference_draft_step():
+    d, rec = _drafter(), _record()
+    embed = torch.randn(VOCAB, HIDDEN)
+    anchors = torch.tensor([1, 7, 20, 33])
+    with torch.no_grad():
+        batched = block_hidden(d, rec, anchors, embed)  # [A, B, hidden]
+        for i, a in enumerate(anchors.tolist()):
+            block = torch.full((1, BLOCK), VOCAB)
+            block[0, 0] = int(rec["ids"][a])
+            # context split in two steps, as the runtime does (cache, then new verified rows)
+            split = a // 2
+            taps = rec["taps"].float()[None]
+            _, kv = d(d.embed_block(block, embed), taps[:, :split],
+                      torch.arange(split + BLOCK)[None] + torch.tensor([0] * split + [a - split] * BLOCK))
+            h, _ = d(d.embed_block(block, embed), taps[:, split:a], torch.arange(split, a + BLOCK)[None],
+                     past_kv=kv)
+            torch.testing.assert_close(batched[i], h[0], rtol=1e-4, atol=1e-4)
+
+
+def test_draft_vocab_loss():
+    d, rec = _drafter(), _record()
+    embed = torch.randn(VOCAB, HIDDEN)
+    lm_head = torch.randn(VOCAB, HIDDEN).to(torch.bfloat16)
+    anchors = torch.tensor([2, 9, 30])
+    with torch.no_grad():
+        full, correct_full, valid = block_loss(d, rec, anchors, embed, lm_head, slot_decay=2.0)
+        # a draft vocabulary that is the whole vocabulary in another order: the same loss and correctness
+        perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))
+        label_map = torch.empty(VOCAB, dtype=torch.long)
+        label_map[perm] = torch.arange(VOCAB)
+        same, correct_same, _ = block_loss(d, rec, anchors, embed, lm_head[perm], label_map, slot_decay=2.0)
+        torch.testing.assert_close(same, full)
+        assert torch.equal(correct_same, correct_full)
+        # labels outside the draft vocabulary count as wrong and carry no loss
+        labels = rec["labels"].long()
+        tgt = labels[(anchors[:, None] + torch.arange(1, BLOCK) - 1).clamp(max=SEQ - 1)]
+        dropped = int(tgt[0, 0])
+        keep = torch.tensor([t for t in range(VOCAB) if t != dropped])
+        part_map = torch.full((VOCAB,), -1, dtype=torch.long)
+        part_map[keep] = torch.arange(keep.numel())
+        part, correct_part, _ = block_loss(d, rec, anchors, embed, lm_head[keep], part_map, slot_decay=2.0)
+        assert torch.isfinite(part)
+        assert not correct_part[tgt == dropped].any()
+        assert torch.equal(correct_part[tgt != dropped], correct_full[tgt != dropped] & valid[tgt != dropped])
+    # no label in the draft vocabulary: zero loss, zero gradient (no NaN)
+    none_map = torch.full((VOCAB,), -1, dtype=torch.long)
+    loss, correct, _ = block_loss(d, rec, anchors, embed, lm_head[:5], none_map)
+    loss.backward()
+    assert loss.item() == 0.0 and not correct.any()
+    assert all(p.grad is None or not p.grad.any() for p in d.parameters())
+
+
+@pytest.mark.parametrize("row,expected", [([1, 1, 0, 1], 3), ([0, 1, 1, 1], 1), ([1, 1, 1, 1], 5)])
+def test_accept_len(row, expected):
+    assert accept_len(torch.tensor([row], dtype=torch.bool)).item() == expected
