@@ -39,9 +39,11 @@ from export.rewrite import QueryScaleRewriteError
               help="target graph's KV interface: static (new K/V out, past read in place from preallocated "
                    "buffers), concat (past + new out, transformers' own forward; any architecture), auto = static "
                    "where supported")
+@click.option("--drafter-kv-io", type=click.Choice(["static", "concat"]), default="static", show_default=True,
+              help="DFlash drafter graph's KV interface (as --target-kv-io; PARD / EAGLE-3 drafters are concat)")
 @click.option("-v", "--verbose", is_flag=True)
 def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
-         full_vocab, verify_draft_tokens, target_kv_io, verbose):
+         full_vocab, verify_draft_tokens, target_kv_io, drafter_kv_io, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
@@ -50,7 +52,7 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                            slope=slope, cap=cap, query_scale=not no_query_scale,
                            fused_attention=fused_attention, num_draft_tokens=num_draft_tokens,
                            full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens,
-                           target_kv_io=target_kv_io)
+                           target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io)
         manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
         click.echo(f"sharpdraft-export: error: {e}", err=True)

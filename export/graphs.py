@@ -20,8 +20,12 @@ drafter  inputs  input_ids [batch, block] int64 (bonus token, then mask ids), ta
                  embed_weight [vocab, hidden], lm_head_weight [draft_vocab, hidden] (the target's own tensors, fed at
                  run time so the drafter graph never duplicates them: see runtime/manifest.py; the LM head's rows are
                  dynamic, so the runtime may feed only a draft vocabulary's rows, runtime/draft_vocab.py)
-         outputs logits [batch, block - 1, draft_vocab] f32 (block is static: the drafter's trained block size) (slots 1..B-1), present_key.{i}/present_value.{i}
-                 [batch, kv_heads, past_len + ctx_len, head_dim] (context only: block keys are never cached).
+         outputs logits [batch, block - 1, draft_vocab] f32 for slots 1..B-1 (block is static: the drafter's trained
+                 block size), then per layer, context rows only (block keys are never cached):
+                 kv_io "static" (default): new_key.{i}/new_value.{i} [batch, kv_heads, ctx_len, head_dim], as the
+                   target's (past_len = the caller's buffer capacity, spare slots masked by attention_mask).
+                 kv_io "concat": present_key.{i}/present_value.{i} [batch, kv_heads, past_len + ctx_len, head_dim].
+                 Grouped-query heads are folded into the query rows (no per-head copy of the cache).
 """
 from __future__ import annotations
 
@@ -180,18 +184,25 @@ class StaticKVTargetForExport(nn.Module):
 
 
 class DrafterForExport(nn.Module):
-    """Wraps a DFlash drafter: block embedding and LM head use tensors passed in as graph inputs."""
+    """Wraps a DFlash drafter: block embedding and LM head use tensors passed in as graph inputs.
 
-    def __init__(self, drafter: DFlashDrafter):
+    ``static``: return only the new context rows' K/V (``new_key.i`` ``[batch, kv_heads, ctx_len, head_dim]``);
+    the past is then a preallocated buffer whose spare slots ``attention_mask`` hides (kv_io "static", as the
+    target's). Otherwise ``present_key.i`` = past + new (kv_io "concat").
+    """
+
+    def __init__(self, drafter: DFlashDrafter, static: bool = False):
         super().__init__()
         self.drafter = drafter
+        self.static = static
 
     def forward(self, input_ids, target_hidden, position_ids, attention_mask, past: list[torch.Tensor],
                 embed_weight, lm_head_weight):
         emb = self.drafter.embed_block(input_ids, embed_weight)
         n = len(self.drafter.layers)
         past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(n)]
-        h, kv = self.drafter(emb, target_hidden, position_ids, past_kv, key_mask=attention_mask)
+        h, kv = self.drafter(emb, target_hidden, position_ids, past_kv, key_mask=attention_mask,
+                             new_kv_only=self.static)
         logits = torch.matmul(h[:, 1:], lm_head_weight.transpose(0, 1))
         return logits, [t for pair in kv for t in pair]
 
@@ -243,8 +254,18 @@ def export_target(model: nn.Module, tap_ids: list[int], path: Path, kv_io: str =
     return {"inputs": inputs, "outputs": outputs, "kv_io": kv_io}
 
 
-def export_drafter(drafter: DFlashDrafter, path: Path) -> dict:
-    """Export a DFlash drafter (frozen: no query scale; export/rewrite.py inserts beta) to ``path``."""
+def export_drafter(drafter: DFlashDrafter, path: Path, kv_io: str = "static") -> dict:
+    """Export a DFlash drafter (frozen: no query scale; export/rewrite.py inserts beta) to ``path``.
+
+    ``kv_io``: "static" (past read from a preallocated buffer, new context K/V out only; :class:`DrafterForExport`)
+    or "concat" (present = past + new). Returns the graph's input/output names and ``kv_io``.
+
+    Raises:
+        ValueError: an unknown ``kv_io``; torch.onnx errors from the exporter.
+    """
+    if kv_io not in ("static", "concat"):
+        raise ValueError(f"kv_io must be static or concat, not {kv_io!r}")
+    static = kv_io == "static"
     cfg = drafter.config
     n, f = cfg.num_hidden_layers, len(cfg.target_layer_ids) * cfg.hidden_size
     b, c, p, blk = 2, 3, 6, cfg.block_size
@@ -264,10 +285,11 @@ def export_drafter(drafter: DFlashDrafter, path: Path) -> dict:
            {0: torch.export.Dim("draft_vocab", max=1 << 20)})  # LM-head rows: the full vocab or a draft vocab
     inputs = ["input_ids", "target_hidden", "position_ids", "attention_mask", *kv_names(n, "past"), "embed_weight",
               "lm_head_weight"]
-    outputs = ["logits", *kv_names(n, "present")]
+    outputs = ["logits", *kv_names(n, "new" if static else "present")]
     head = torch.randn(cfg.vocab_size, cfg.hidden_size)  # a distinct tensor: aliased inputs would be merged
-    _export(DrafterForExport(drafter).eval(), (ids, th, pos, am, past, emb, head), inputs, outputs, dyn, path)
-    return {"inputs": inputs, "outputs": outputs}
+    _export(DrafterForExport(drafter, static).eval(), (ids, th, pos, am, past, emb, head), inputs, outputs, dyn,
+            path)
+    return {"inputs": inputs, "outputs": outputs, "kv_io": kv_io}
 
 
 class PardForExport(nn.Module):

@@ -52,6 +52,7 @@ class ExportConfig:
     full_vocab: bool = False  # DFlash: ignore the checkpoint's draft_vocab.json (draft over the whole vocabulary)
     verify_draft_tokens: int | None = None  # runtime default of draft tokens verified per round (<= drafted)
     target_kv_io: str = "auto"  # export/graphs.py export_target: "static", "concat" or "auto"
+    drafter_kv_io: str = "static"  # export/graphs.py export_drafter (DFlash): "static" or "concat"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -61,6 +62,8 @@ class ExportConfig:
                               f"({', '.join(DEFAULT_CHECKPOINTS)} only)")
         if self.target_kv_io not in ("auto", "static", "concat"):
             raise ExportError(f"target_kv_io must be auto, static or concat, not {self.target_kv_io!r}")
+        if self.drafter_kv_io not in ("static", "concat"):
+            raise ExportError(f"drafter_kv_io must be static or concat, not {self.drafter_kv_io!r}")
         if self.verify_draft_tokens is not None and self.verify_draft_tokens < 1:
             raise ExportError(f"--verify-draft-tokens must be >= 1, got {self.verify_draft_tokens}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
@@ -295,7 +298,7 @@ def run_export(cfg: ExportConfig) -> dict:
             counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
                                   num_keys_from="score_mask", row_switch_input=switch)
         else:
-            drafter_io = export_drafter(drafter, scratch / "frozen.onnx")
+            drafter_io = export_drafter(drafter, scratch / "frozen.onnx", kv_io=cfg.drafter_kv_io)
             # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
             counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
                                   num_keys_input="attention_mask", row_switch_input=switch)

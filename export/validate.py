@@ -85,7 +85,9 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
 
     Points: one row at N = 100, ref, 4 ref, 20 ref; then a ragged batch of two rows (right-padded cache, masked)
     with N = 4 ref and ref - 1 in the same call, each compared with its own solo torch run: the beta subgraph
-    must read N per row from ``attention_mask``.
+    must read N per row from ``attention_mask``. A static-KV graph (``io["kv_io"] == "static"``) is fed past
+    buffers with 5 spare slots of noise behind each row's cache (masked, as the runtime's spare capacity) and its
+    new context K/V are checked too.
 
     Returns:
         ``{"atol", "rtol", "points": [{num_keys, beta, max_abs_diff_logits, beta_effect_on_logits, bound}],
@@ -99,6 +101,9 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
     blk, ctx = cfg.block_size, 3
     f = len(cfg.target_layer_ids) * cfg.hidden_size
     past_names = [n for n in io["inputs"] if n.startswith("past_")]
+    static = io.get("kv_io") == "static"
+    spare = 5 if static else 0
+    kv_diffs = []
 
     def case(n_keys: int):
         past_len = n_keys - ctx - blk  # N = s + B with s = past_len + ctx
@@ -111,20 +116,20 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         b = beta_torch(n_keys, profile)
         pkv = [(past[2 * i], past[2 * i + 1]) for i in range(cfg.num_hidden_layers)]
         emb = drafter.embed_block(ids, embed)
-        h, _ = drafter(emb, th, pos, pkv, query_scale=b)
+        h, new_kv = drafter(emb, th, pos, pkv, query_scale=b, new_kv_only=True)
         frozen_h, _ = drafter(emb, th, pos, pkv, query_scale=None)
         ref = (h[:, 1:] @ lm_head.T).numpy()
         ref_frozen = (frozen_h[:, 1:] @ lm_head.T).numpy()
         effect = float(np.abs(ref - ref_frozen).max())
         return {"past": past, "ids": ids, "th": th, "pos": pos, "beta": float(b), "ref": ref, "effect": effect,
-                "ref_frozen": ref_frozen}
+                "ref_frozen": ref_frozen, "new_kv": [t.numpy() for pair in new_kv for t in pair]}
 
     has_switch = "query_scale_enabled" in io["inputs"]
 
     def run(cases: list[dict], switch: list[float] | None = None) -> np.ndarray:
         """One ORT call over the cases as a batch, caches right-padded to the longest and masked."""
         lens = [c["past"][0].shape[2] for c in cases]
-        l_max = max(lens)
+        l_max = max(lens) + spare
         mask = np.zeros((len(cases), l_max + ctx + blk), np.int64)
         feed = {"input_ids": np.concatenate([c["ids"].numpy() for c in cases]),
                 "target_hidden": np.concatenate([c["th"].numpy() for c in cases]),
@@ -138,10 +143,15 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
             feed["query_scale_enabled"] = np.asarray(switch or [1.0] * len(cases), np.float32)
         for j, name in enumerate(past_names):
             buf = np.zeros((len(cases), cfg.num_key_value_heads, l_max, cfg.head_dim), np.float32)
+            if static:  # spare capacity holds stale values at run time: noise, which the mask must hide
+                buf[:] = torch.randn(buf.shape, generator=g).numpy() * 5
             for r, c in enumerate(cases):
                 buf[r, :, : lens[r]] = c["past"][j][0].numpy()
             feed[name] = buf
-        (logits,) = sess.run(["logits"], feed)
+        logits, *kv = sess.run(io["outputs"], feed)
+        if static:  # new context K/V: the same for every row layout
+            for r, c in enumerate(cases):
+                kv_diffs.append(max(float(np.abs(o[r] - ref[0]).max()) for o, ref in zip(kv, c["new_kv"])))
         return logits
 
     def check(c: dict, logits: np.ndarray, n_keys: int) -> dict:
@@ -161,7 +171,13 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
     cases = [case(n) for n in pair]
     logits = run(cases)
     ragged = [check(c, logits[r], n) for r, (c, n) in enumerate(zip(cases, pair))]
-    out = {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points, "ragged": ragged}
+    out = {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points, "ragged": ragged,
+           "kv_io": io.get("kv_io", "concat")}
+    if static:
+        out["max_abs_diff_new_kv"] = max(kv_diffs)
+        if out["max_abs_diff_new_kv"] > DRAFTER_ATOL:
+            raise ValidationError(f"drafter graph {path}: new context K/V differ from the torch drafter's by "
+                                  f"{out['max_abs_diff_new_kv']:.3g} > {DRAFTER_ATOL}")
     if has_switch:  # rows with the scale switched off must equal the frozen drafter (beta = 1) at any N
         n_keys = 4 * profile.ref_keys
         c = case(n_keys)

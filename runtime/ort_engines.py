@@ -1,14 +1,16 @@
 """ONNX Runtime engines for the target and the DFlash drafter of an engines/ folder, with per-sequence KV caches.
 
-Target graphs exported with kv_io "static" (the default, export/graphs.py) keep each sequence's cache in a
-:class:`StaticKVCache`: preallocated buffers the graph reads in place (spare slots masked by ``attention_mask``),
-new positions written after each call, rollback a length change. A single sequence's step therefore copies no
-cache; a ragged batch gathers its rows' valid positions into one padded tensor per call.
+Target and DFlash drafter graphs exported with kv_io "static" (the default, export/graphs.py) keep each
+sequence's cache in a :class:`StaticKVCache`: preallocated buffers the graph reads in place (spare slots masked by
+``attention_mask``), new positions written after each call, rollback a length change. A single sequence's step
+therefore returns no cache from the graph; a ragged batch gathers its rows' valid positions into one padded tensor
+per call.
 
-Drafter graphs (and concat-form target graphs) return past + new K/V: each sequence owns a :class:`KVCache` per
-graph (numpy arrays ``[1, kv_heads, length, head_dim]``, rollback is a slice); a batched call pads the rows' caches
-on the right and masks the padding out, and each row's new K/V are cut back out of the present tensors, so padding
-and placeholder slots never enter any cache.
+Concat-form graphs (older folders, ``--target-kv-io concat`` / ``--drafter-kv-io concat``, PARD and EAGLE-3
+drafters) return past + new K/V: each sequence owns a :class:`KVCache` per graph (numpy arrays ``[1, kv_heads,
+length, head_dim]``, rollback is a slice); a batched call pads the rows' caches on the right and masks the padding
+out, and each row's new K/V are cut back out of the present tensors, so padding and placeholder slots never enter
+any cache.
 """
 from __future__ import annotations
 
@@ -92,12 +94,15 @@ class _Graph:
     def _run_drafter(self, feed: dict, flags: list[bool], past: list, caches: list[KVCache], l_max: int,
                      keep: list[int]) -> list[np.ndarray]:
         """Run the drafter graph with the switch, KV and borrowed tensors added; give each row back its old K/V plus
-        its ``keep[r]`` real new positions; return the outputs before the present K/V."""
+        its ``keep[r]`` real new positions; return the outputs before the present K/V (``caches`` None: every
+        output, new K/V included, for a static-KV graph whose caller appends them)."""
         if self.query_scale_switch:
             feed["query_scale_enabled"] = np.asarray(flags, np.float32)
         feed.update(zip(self.kv_names, past))
         feed.update(self.shared)
         outputs = self._run(self.out_names, feed)
+        if caches is None:  # static KV: the caller appends the new K/V (returned after the other outputs)
+            return outputs
         n = len(outputs) - len(self.kv_names)
         unpad_present(outputs[n:], caches, l_max, keep)
         return outputs[:n]
@@ -218,6 +223,7 @@ class OrtDFlashDrafter(_Graph):
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
         self.batched = "attention_mask" in graph["inputs"]
+        self.static = graph.get("kv_io") == "static"
         self._drafter_setup(engine_dir, manifest, graph)
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
         self._full_head = self.shared.get("lm_head_weight")
@@ -227,6 +233,11 @@ class OrtDFlashDrafter(_Graph):
             self.draft_ids = load_draft_vocab(engine_dir / vocab_entry["file"], self.vocab_size)
             self._draft_head = np.ascontiguousarray(self._full_head[self.draft_ids])
         self.set_draft_vocab(True)
+
+    def new_cache(self) -> KVCache | StaticKVCache:
+        if self.static:
+            return StaticKVCache(self.num_layers, self.kv_heads, self.head_dim)
+        return super().new_cache()
 
     def set_draft_vocab(self, enabled: bool) -> None:
         """Score only the draft vocabulary's LM-head rows (the default when the engines folder has one), or the
@@ -266,7 +277,12 @@ class OrtDFlashDrafter(_Graph):
         b, blk = len(caches), self.block_size
         ctx_lens = [x.shape[0] for x in contexts]
         c_max = max(ctx_lens)
-        past, l_max = pad_caches(caches)
+        if self.static:  # buffers read in place (spare slots masked); the graph needs a past of >= 1 slot
+            past, l_max = gather_static(caches)
+            if l_max == 0:
+                past, l_max = [np.zeros((b, self.kv_heads, 1, self.head_dim), np.float32) for _ in past], 1
+        else:
+            past, l_max = pad_caches(caches)
         ids = np.full((b, blk), self.mask_token_id, np.int64)
         ids[:, 0] = bonus_tokens
         hidden = np.zeros((b, c_max, contexts[0].shape[1]), np.float32)
@@ -283,7 +299,12 @@ class OrtDFlashDrafter(_Graph):
         feed = {"input_ids": ids, "target_hidden": hidden, "position_ids": pos}
         if self.batched:
             feed["attention_mask"] = mask
-        (logits,) = self._run_drafter(feed, flags, past, caches, l_max, ctx_lens)
+        if self.static:
+            logits, *new_kv = self._run_drafter(feed, flags, past, None, l_max, ctx_lens)
+            for r, (cache, n) in enumerate(zip(caches, ctx_lens)):
+                cache.append(new_kv, n, row=r)
+        else:
+            (logits,) = self._run_drafter(feed, flags, past, caches, l_max, ctx_lens)
         if self.draft_vocab_enabled:
             return expand_logits(logits, self.draft_ids, self.vocab_size)
         return logits

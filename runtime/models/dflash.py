@@ -224,6 +224,8 @@ class DFlashAttention(nn.Module):
             raise ValueError("profile / rows_on need attention_impl='fused'; the eager path takes a beta "
                              "(query_scale)")
         rep = self.nh // self.nkv
+        if attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[2] == 1):
+            return self.o_proj(self._grouped(q, k, v, attn_mask))
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [batch, heads, B, s + B]
@@ -234,6 +236,26 @@ class DFlashAttention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
         return self.o_proj(out)
+
+    def _grouped(self, q, k, v, attn_mask):
+        """Eager attention with grouped-query heads folded into the query rows (inference: a per-key mask).
+
+        q ``[b, heads, B, hd]`` -> ``[b, kv_heads, groups * B, hd]`` against k/v ``[b, kv_heads, keys, hd]``, so
+        K/V are read once per KV head and never repeated per head (in the exported graph: no ``Expand`` of the
+        cache, a third of the reads). ``attn_mask``: None or ``[b, 1, 1, keys]`` bool/additive. Same result as
+        the repeated form. Returns ``[b, B, heads * hd]`` before ``o_proj``.
+        """
+        b, _, q_len, _ = q.shape
+        qg = q.reshape(b, self.nkv, (self.nh // self.nkv) * q_len, self.hd)
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scaling  # [b, kv_heads, groups * B, keys]
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask
+        if attention_probe.active():
+            attention_probe.emit(self, scores.reshape(b, self.nh, q_len, scores.shape[-1]))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v).reshape(b, self.nh, q_len, self.hd)
+        return out.transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
 
     def _fused(self, q, k, v, attn_mask, profile, rows_on):
         """``torch.ops.sharpdraft.query_scaled_attention`` over q ``[b, heads, B, hd]``, k/v ``[b, kv_heads, keys,
@@ -333,7 +355,7 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(target_hidden))
 
     def forward(self, block_embeds, target_hidden, position_ids, past_kv=None, query_scale=None, key_mask=None,
-                profile=None, rows_on=None):
+                profile=None, rows_on=None, new_kv_only: bool = False):
         """One draft step (inference form, cached context K/V).
 
         Args:
@@ -348,9 +370,12 @@ class DFlashDrafter(nn.Module):
             profile: ``attention_impl="fused"`` only: :class:`plugins.rule.QueryScaleProfile`; the op computes
                 beta(N) per row from ``key_mask`` (instead of a precomputed ``query_scale``). None = beta 1.
             rows_on: ``attention_impl="fused"`` only: bool ``[batch]``, False = beta 1 for that row.
+            new_kv_only: return only the c_new context rows' K/V (static caches append them in place; the
+                static-KV drafter graph, export/graphs.py).
         Returns:
-            (hidden ``[batch, B, hidden]`` after ``norm``, new_kv: per layer (k, v) over c_past + c_new context rows;
-            block K/V are never cached, so the cache never holds unverified keys).
+            (hidden ``[batch, B, hidden]`` after ``norm``, new_kv: per layer (k, v) over c_past + c_new context rows,
+            or the c_new rows only with ``new_kv_only``; block K/V are never cached, so the cache never holds
+            unverified keys).
         Raises:
             ValueError: ``profile``/``rows_on`` with the eager implementation.
         """
@@ -361,10 +386,13 @@ class DFlashDrafter(nn.Module):
         h, new_kv = block_embeds, []
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.self_attn.context_kv(ctx, cos[:, :, :c_new], sin[:, :, :c_new])
+            if new_kv_only:
+                new_kv.append((k_new, v_new))
             if past_kv is not None:
                 k_new = torch.cat([past_kv[i][0], k_new], dim=2)
                 v_new = torch.cat([past_kv[i][1], v_new], dim=2)
-            new_kv.append((k_new, v_new))
+            if not new_kv_only:
+                new_kv.append((k_new, v_new))
             h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale, profile,
                       rows_on)
         return self.norm(h), new_kv

@@ -120,22 +120,66 @@ def test_static_ragged_batch_equals_solo_rows(tiny_model, tmp_path):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_export_option_concat_form_runs_lossless_and_equals_static(tiny_target_dir, tiny_dflash_dir, tiny_engines,
-                                                                   tmp_path):
-    """``--target-kv-io concat`` writes the former target form; the runtime drives both to the same tokens."""
-    from export.pipeline import ExportConfig, ExportError, run_export
+@pytest.fixture(scope="module")
+def concat_engines(tiny_target_dir, tiny_dflash_dir, tmp_path_factory):
+    """The tiny pair exported in the former form: concat-KV target and drafter graphs."""
+    from export.pipeline import ExportConfig, run_export
+
+    out = tmp_path_factory.mktemp("concat") / "engines"
+    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+                            ref_keys=64, target_kv_io="concat", drafter_kv_io="concat"))
+    return out
+
+
+def test_export_option_concat_form_runs_lossless_and_equals_static(tiny_engines, concat_engines, tmp_path):
+    """``--target-kv-io concat --drafter-kv-io concat`` write the former forms; the runtime drives both to the same
+    tokens and the same acceptance."""
+    from export.pipeline import ExportConfig, ExportError
     from runtime.engine import SpecEngine
 
-    out = tmp_path / "concat"
-    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
-                            ref_keys=64, target_kv_io="concat"))
-    concat = SpecEngine.from_dir(out, device="cpu", check_invariants=True)
+    concat = SpecEngine.from_dir(concat_engines, device="cpu", check_invariants=True)
     static = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
-    assert concat.manifest["graphs"]["target"]["kv_io"] == "concat"
-    assert static.manifest["graphs"]["target"]["kv_io"] == "static"
-    assert "present_key.0" in concat.manifest["graphs"]["target"]["outputs"]
+    for graph in ("target", "drafter"):
+        assert concat.manifest["graphs"][graph]["kv_io"] == "concat"
+        assert static.manifest["graphs"][graph]["kv_io"] == "static"
+        assert "present_key.0" in concat.manifest["graphs"][graph]["outputs"]
+        assert "new_key.0" in static.manifest["graphs"][graph]["outputs"]
+    assert static.manifest["validation"]["drafter"]["max_abs_diff_new_kv"] < 2e-3
     ids = static.tokenizer.encode("The quick brown fox")
     want = static.generate_target_only(ids, 20).token_ids
-    assert concat.generate(ids, 20).token_ids == static.generate(ids, 20).token_ids == want
+    got_concat, got_static = concat.generate(ids, 20), static.generate(ids, 20)
+    assert got_concat.token_ids == got_static.token_ids == want
+    assert got_concat.stats.accepted_per_position == got_static.stats.accepted_per_position
+    assert got_concat.stats.rounds == got_static.stats.rounds
     with pytest.raises(ExportError, match="target_kv_io"):
         ExportConfig(family="dflash", out=tmp_path / "x", target_kv_io="paged")
+    with pytest.raises(ExportError, match="drafter_kv_io"):
+        ExportConfig(family="dflash", out=tmp_path / "x", drafter_kv_io="auto")
+
+
+def test_static_drafter_equals_concat_drafter_over_ragged_steps(tiny_engines, concat_engines):
+    """The static-KV drafter graph drafts what the concat one does, step after step, solo and in ragged batches,
+    and a step within capacity re-allocates no buffer."""
+    from runtime.manifest import load_manifest
+    from runtime.ort_engines import OrtDFlashDrafter
+
+    drafters = {name: OrtDFlashDrafter(path, load_manifest(path), device="cpu", threads=1)
+                for name, path in (("static", tiny_engines), ("concat", concat_engines))}
+    assert drafters["static"].static and not drafters["concat"].static
+    rng = np.random.default_rng(0)
+    feat = next(i.shape[2] for i in drafters["static"].session.get_inputs() if i.name == "target_hidden")
+    caches = {name: [d.new_cache(), d.new_cache()] for name, d in drafters.items()}
+    steps = [([0, 1], [40, 25]), ([0, 1], [3, 1]), ([1], [2]), ([0], [0]), ([0, 1], [1, 4])]
+    buffers = None
+    for rows, lens in steps:
+        ctx = [rng.standard_normal((n, feat)).astype(np.float32) for n in lens]
+        bonus = rng.integers(0, 100, len(rows)).tolist()
+        out = {name: d.draft([caches[name][r] for r in rows], bonus, ctx) for name, d in drafters.items()}
+        np.testing.assert_allclose(out["static"], out["concat"], atol=1e-4, rtol=1e-4)
+        for r in rows:
+            assert caches["static"][r].length == caches["concat"][r].length
+            for a, b in zip(caches["static"][r].kv, caches["concat"][r].kv):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+        if buffers is not None:  # well within capacity after the first step: buffers written in place
+            assert [id(b) for c in caches["static"] for b in c.kv_buffers] == buffers
+        buffers = [id(b) for c in caches["static"] for b in c.kv_buffers]
