@@ -4,8 +4,9 @@
    loop's own order, one drafter call and one verify call (1 + k tokens) on a cache of ``--context`` tokens, and
    a target-only decode step. Settings are interleaved round by round (noise hits them alike); medians reported.
 2. Prefill chunk: the prompt's prefill time per chunk size, same engine, interleaved.
-3. KV form (``--compare-engine DIR``, a folder whose target graph returns past + new K/V, i.e. exported before
-   kv_io "static"): decode-step and verify-call times of both target graphs at each ``--kv-contexts`` length,
+3. KV form (``--compare-engine DIR``, a folder whose graphs return past + new K/V, e.g. exported with
+   ``--target-kv-io concat --drafter-kv-io concat``): decode-step and verify-call times of both target graphs,
+   and DFlash draft-call times (2 new context rows) of both drafter graphs, at each ``--kv-contexts`` length,
    interleaved, split into time inside ONNX Runtime and outside it.
 
   python scripts/bench_settings.py --engine engines --context 1024 --out runs/bench/settings
@@ -87,26 +88,40 @@ def time_prefill(engine_dir: Path, manifest: dict, ids: list[int], chunks: list[
 
 
 def time_kv_forms(folders: dict[str, Path], contexts: list[int], k: int, rounds: int) -> dict:
-    """Median ms of a decode step and a verify call (1 + k tokens) per target graph form and context length, with
-    the part spent inside ONNX Runtime. Caches hold random K/V (timing does not depend on values)."""
+    """Median ms of a decode step and a verify call (1 + k tokens) per target graph form, and of a DFlash draft
+    call (2 new context rows) per drafter graph form, at each context length, with the part spent inside ONNX
+    Runtime. Caches hold random K/V (timing does not depend on values)."""
     from runtime.manifest import load_manifest
     from runtime.ort_engines import OrtTarget
 
-    targets = {name: OrtTarget(d, load_manifest(d), "cpu", None) for name, d in folders.items()}
+    from runtime.kv_cache import StaticKVCache
+    from runtime.ort_engines import OrtDFlashDrafter
+
+    manifests = {name: load_manifest(d) for name, d in folders.items()}
+    targets = {name: OrtTarget(d, manifests[name], "cpu", None) for name, d in folders.items()}
+    drafters = {name: OrtDFlashDrafter(d, manifests[name], "cpu", None) for name, d in folders.items()
+                if manifests[name]["drafter"]["family"] == "dflash"}
     rng = np.random.default_rng(0)
     out = {}
+
+    def filled(graph, n):
+        cache = graph.new_cache()
+        kv = [rng.standard_normal((1, graph.kv_heads, n, graph.head_dim)).astype(np.float32)
+              for _ in range(2 * graph.num_layers)]
+        if isinstance(cache, StaticKVCache):
+            cache.append(kv, n)
+        else:
+            cache.kv = kv
+        return cache
+
     for n in contexts:
-        caches = {}
-        for name, t in targets.items():
-            cache = t.new_cache()
-            kv = [rng.standard_normal((1, t.kv_heads, n, t.head_dim)).astype(np.float32)
-                  for _ in range(2 * t.num_layers)]
-            if t.static:
-                cache.append(kv, n)
-            else:
-                cache.kv = kv
-            caches[name] = cache
-        times = {name: {"decode": [], "verify": [], "decode_ort": [], "verify_ort": []} for name in targets}
+        caches = {name: filled(t, n) for name, t in targets.items()}
+        dcaches = {name: filled(d, n) for name, d in drafters.items()}
+        feats = {name: rng.standard_normal((2, next(i.shape[2] for i in d.session.get_inputs()
+                                                    if i.name == "target_hidden"))).astype(np.float32)
+                 for name, d in drafters.items()}
+        times = {name: {key: [] for key in ("decode", "verify", "decode_ort", "verify_ort")
+                        + (("draft", "draft_ort") if name in drafters else ())} for name in targets}
         for _ in range(rounds):
             for name, t in targets.items():
                 for key, q in (("decode", 1), ("verify", k + 1)):
@@ -115,6 +130,13 @@ def time_kv_forms(folders: dict[str, Path], contexts: list[int], k: int, rounds:
                     times[name][key].append(time.perf_counter() - t0)
                     times[name][key + "_ort"].append(t.ort_s - ort0)
                     caches[name].truncate(n)
+                if name in drafters:
+                    d = drafters[name]
+                    ort0, t0 = d.ort_s, time.perf_counter()
+                    d.draft([dcaches[name]], [100], [feats[name]])
+                    times[name]["draft"].append(time.perf_counter() - t0)
+                    times[name]["draft_ort"].append(d.ort_s - ort0)
+                    dcaches[name].truncate(n)
         out[str(n)] = {name: {key: round(1000 * statistics.median(v[1:]), 3) for key, v in d.items()}
                        for name, d in times.items()}
     return out
@@ -155,7 +177,7 @@ def _plot(result: dict, out: Path) -> Path:
 @click.option("--k", default=2, show_default=True, type=int, help="draft tokens per verify call")
 @click.option("--rounds", default=15, show_default=True, type=click.IntRange(2, 1000))
 @click.option("--compare-engine", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="an engines folder with a concat-form target graph: time both KV forms side by side")
+              help="an engines folder with concat-form graphs: time both KV forms side by side")
 @click.option("--kv-contexts", default="512,2048,6144", show_default=True)
 @click.option("--skip-threads", is_flag=True, help="only the KV-form comparison (with --compare-engine)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/settings"),

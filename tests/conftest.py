@@ -107,6 +107,17 @@ def tiny_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def concat_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
+    """The tiny pair exported in the former form: concat-KV target and drafter graphs (present = past + new)."""
+    from export.pipeline import ExportConfig, run_export
+
+    out = tmp_path_factory.mktemp("concat") / "engines"
+    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+                            ref_keys=64, target_kv_io="concat", drafter_kv_io="concat"))
+    return out
+
+
 def write_tiny_pard(path: Path, target_dir: Path, *, seed: int = 2, query_scale: dict | None = None) -> Path:
     """A tiny PARD drafter in sharpdraft's demo layout (2 layers initialised from the tiny target's first two,
     target embedding borrowed, ``pard_token`` = vocab_size with a ``mask_embedding``)."""

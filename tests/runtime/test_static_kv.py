@@ -120,17 +120,6 @@ def test_static_ragged_batch_equals_solo_rows(tiny_model, tmp_path):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def concat_engines(tiny_target_dir, tiny_dflash_dir, tmp_path_factory):
-    """The tiny pair exported in the former form: concat-KV target and drafter graphs."""
-    from export.pipeline import ExportConfig, run_export
-
-    out = tmp_path_factory.mktemp("concat") / "engines"
-    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
-                            ref_keys=64, target_kv_io="concat", drafter_kv_io="concat"))
-    return out
-
-
 def test_export_option_concat_form_runs_lossless_and_equals_static(tiny_engines, concat_engines, tmp_path):
     """``--target-kv-io concat --drafter-kv-io concat`` write the former forms; the runtime drives both to the same
     tokens and the same acceptance."""

@@ -56,3 +56,18 @@ def test_bench_settings_on_tiny_engines(tiny_engines, tmp_path):
     assert len(res["threads"]) >= 2
     assert all(v["draft"] > 0 and v["verify"] > 0 and v["decode"] > 0 for v in res["threads"].values())
     assert (out / "settings.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_settings_compares_kv_forms(tiny_engines, concat_engines, tmp_path):
+    out = tmp_path / "kv"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_settings.py"), "--engine", str(tiny_engines),
+                        "--compare-engine", str(concat_engines), "--skip-threads", "--kv-contexts", "40,90",
+                        "--rounds", "3", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    forms = json.loads((out / "bench_kv_forms.json").read_text())["kv_forms"]
+    assert set(forms) == {"40", "90"}
+    for per_form in forms.values():
+        assert set(per_form) == {"static", "concat"}
+        for t in per_form.values():
+            for key in ("decode", "verify", "draft"):
+                assert 0 < t[key + "_ort"] <= t[key]
