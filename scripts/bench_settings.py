@@ -8,6 +8,9 @@
    ``--target-kv-io concat --drafter-kv-io concat``): decode-step and verify-call times of both target graphs,
    and DFlash draft-call times (2 new context rows) of both drafter graphs, at each ``--kv-contexts`` length,
    interleaved, split into time inside ONNX Runtime and outside it.
+4. int8 drafter (``--int8-drafter``): the drafter graph with int8 MatMul weights (onnxruntime.quantization's
+   dynamic quantization) against the fp32 graph: draft-call time and how often both propose the same tokens, on
+   the target's real features of the prompt (the target stays fp32, so verification stays exact).
 
   python scripts/bench_settings.py --engine engines --context 1024 --out runs/bench/settings
 
@@ -69,6 +72,60 @@ def time_threads(engine_dir: Path, manifest: dict, ids: list[int], settings: lis
                 times[s][key].append(dt)
     return {f"threads={t},spin={sp}": {key: round(1000 * statistics.median(v[key][1:]), 3) for key in v}
             for (t, sp), v in times.items()}
+
+
+def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], positions: int, rounds: int,
+                      work: Path) -> dict:
+    """The drafter graph with int8 weights (ONNX Runtime's ``quantize_dynamic``: MatMul weights int8 per tensor,
+    activations quantized at run time) against the exported fp32 graph, on real features of ``ids``.
+
+    Both drafters draft at each of the last ``positions`` positions of the prompt (the target's own taps as
+    context, as in the loop); reported: median draft-call ms of each, interleaved, and how often the int8 graph
+    proposes the same tokens (slot 1, and all slots). The target is untouched (fp32 verification stays exact).
+    """
+    import shutil
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
+
+    q_dir = work / "int8-engines"
+    shutil.rmtree(q_dir, ignore_errors=True)
+    (q_dir / "drafter").mkdir(parents=True)
+    for name in ("target", "tokenizer", "manifest.json"):
+        (q_dir / name).symlink_to((engine_dir / name).resolve())
+    src = engine_dir / manifest["graphs"]["drafter"]["file"]
+    for f in src.parent.iterdir():
+        if f.suffix == ".json":
+            shutil.copyfile(f, q_dir / "drafter" / f.name)
+    quantize_dynamic(str(src), str(q_dir / manifest["graphs"]["drafter"]["file"]), weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul"])
+    drafters = {"fp32": OrtDFlashDrafter(engine_dir, manifest, "cpu", None),
+                "int8": OrtDFlashDrafter(q_dir, manifest, "cpu", None)}
+    size = {name: sum(f.stat().st_size for f in (d / "drafter").iterdir() if not f.suffix == ".json")
+            for name, d in (("fp32", engine_dir), ("int8", q_dir))}
+    target = OrtTarget(engine_dir, manifest, "cpu", None)
+    _, feats = target.prefill(target.new_cache(), ids)
+    start = len(ids) - positions
+    times = {name: [] for name in drafters}
+    same_first = same_all = 0
+    for _ in range(rounds):
+        caches = {name: d.new_cache() for name, d in drafters.items()}
+        for name, d in drafters.items():
+            d.draft([caches[name]], [ids[start - 1]], [feats[: start - 1]])
+        for p in range(start, len(ids)):
+            tokens = {}
+            for name in (("fp32", "int8") if p % 2 else ("int8", "fp32")):
+                t0 = time.perf_counter()
+                logits = drafters[name].draft([caches[name]], [ids[p]], [feats[p - 1: p]])
+                times[name].append(time.perf_counter() - t0)
+                tokens[name] = logits[0].argmax(-1)
+            same_first += int(tokens["fp32"][0] == tokens["int8"][0])
+            same_all += int((tokens["fp32"] == tokens["int8"]).all())
+    n = rounds * positions
+    return {"draft_ms": {name: round(1000 * statistics.median(v), 3) for name, v in times.items()},
+            "same_slot1": round(same_first / n, 4), "same_all_slots": round(same_all / n, 4), "positions": n,
+            "drafter_bytes": size}
 
 
 def time_prefill(engine_dir: Path, manifest: dict, ids: list[int], chunks: list[int], threads: int | None,
@@ -179,11 +236,14 @@ def _plot(result: dict, out: Path) -> Path:
 @click.option("--compare-engine", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="an engines folder with concat-form graphs: time both KV forms side by side")
 @click.option("--kv-contexts", default="512,2048,6144", show_default=True)
-@click.option("--skip-threads", is_flag=True, help="only the KV-form comparison (with --compare-engine)")
+@click.option("--skip-threads", is_flag=True,
+              help="skip the thread and prefill timings (run only --compare-engine and/or --int8-drafter)")
+@click.option("--int8-drafter", is_flag=True,
+              help="also time the drafter graph with int8 weights (onnxruntime.quantization) against fp32")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/settings"),
               show_default=True)
 def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: int, rounds: int,
-         compare_engine: Path | None, kv_contexts: str, skip_threads: bool, out: Path) -> None:
+         compare_engine: Path | None, kv_contexts: str, skip_threads: bool, int8_drafter: bool, out: Path) -> None:
     """Time ONNX Runtime thread / spinning settings and prefill chunk sizes on an engines folder."""
     from runtime.manifest import load_manifest
     from scripts.bench_long_context import _prompts
@@ -205,9 +265,13 @@ def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: in
         result["kv_forms"] = time_kv_forms({"static": engine_dir, "concat": compare_engine},
                                            [int(c) for c in kv_contexts.split(",")], k, rounds)
     out.mkdir(parents=True, exist_ok=True)
-    name = "bench_settings.json" if not skip_threads else "bench_kv_forms.json"
+    if int8_drafter:
+        result["int8_drafter"] = time_int8_drafter(engine_dir, manifest, ids[-context:], 32, max(1, rounds // 5),
+                                                   out)
+    name = ("bench_settings.json" if not skip_threads else "bench_kv_forms.json" if compare_engine is not None
+            else "bench_int8_drafter.json")
     (out / name).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k in ("threads", "prefill_s", "kv_forms")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k in ("threads", "prefill_s", "kv_forms", "int8_drafter")}, indent=1))
     print("wrote", out / name, *([_plot(result, out)] if not skip_threads else []))
 
 
