@@ -1,6 +1,7 @@
 """Per-sequence KV caches and their ragged-batch padding, shared by the ONNX Runtime (numpy) and torch backends.
 
-:class:`StaticKVCache` (ONNX Runtime target graphs exported with kv_io "static", export/graphs.py) preallocates
+:class:`StaticKVCache` (ONNX Runtime target and DFlash drafter graphs exported with kv_io "static",
+export/graphs.py) preallocates
 ``[1, kv_heads, capacity, head_dim]`` buffers per layer: a step writes only its new positions, the graph reads the
 whole buffer in place (slots past ``length`` are masked), and rollback is a length change.
 
