@@ -45,9 +45,13 @@ END_TOKEN = 3500
 @click.option("--end-token", default=END_TOKEN, help="document prompts end at this token of each document")
 @click.option("--compare-query-scale", is_flag=True,
               help="also run every prompt with the query scale switched off (frozen drafter), same engines")
+@click.option("--draft-tokens", type=click.IntRange(min=0), default=None,
+              help="draft tokens verified per round (default: the engines folder's verify default); the drafter's "
+                   "maximum measures its quality over the whole block")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature: float, top_p: float,
-         verification: str | None, seed: int, end_token: int, compare_query_scale: bool, json_out: Path | None):
+         verification: str | None, seed: int, end_token: int, compare_query_scale: bool, draft_tokens: int | None,
+         json_out: Path | None):
     engine = SpecEngine.from_dir(engine_dir)
     if verification:
         engine.verification = verification
@@ -64,7 +68,8 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     engine.generate(prompts[next(iter(prompts))][:8], 4)  # warm-up
     rows = []
     for i, (name, ids) in enumerate(prompts.items()):
-        params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p, seed=seed + i,
+                                num_draft_tokens=draft_tokens)
         spec = engine.generate(ids, params=params)
         base = engine.generate_target_only(ids, params=params)
         if params.greedy and spec.token_ids != base.token_ids:
@@ -87,6 +92,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     doc_rows = [r for r in rows if not r["prompt"].startswith("chat")]
     summary = {"engine": str(engine_dir), "context": context, "new_tokens": new_tokens,
                "temperature": temperature, "top_p": top_p, "verification": engine.verification,
+               "draft_tokens": draft_tokens if draft_tokens is not None else engine.default_draft_tokens,
                "query_scale": engine.manifest["query_scale"],
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),
