@@ -196,7 +196,8 @@ class DFlashAttention(nn.Module):
 
         Args:
             x: normalised block states ``[batch, B, hidden]``.
-            ctx_k, ctx_v: context K/V ``[batch, kv_heads, s, head_dim]`` (cached + new context rows).
+            ctx_k, ctx_v: context K/V ``[batch, kv_heads, s, head_dim]`` (cached + new context rows), or tuples of
+                such pieces along the key axis (e.g. (cache, new rows)), joined with the block keys in one concat.
             cos, sin: RoPE tables of the block positions ``[batch, 1, B, head_dim]``.
             attn_mask: optional additive/bool mask broadcastable to ``[batch, 1, B, s + B]`` (training; ragged
                 batches); None = all visible. The fused path takes only a per-key bool mask ``[batch, 1, 1, s + B]``.
@@ -215,8 +216,8 @@ class DFlashAttention(nn.Module):
             q = q * query_scale  # SharpDraft: after q_norm and RoPE (RoPE is linear), before attention
         k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.nkv)), cos, sin)
         v_blk = self._heads(self.v_proj(x), self.nkv)
-        k = torch.cat([ctx_k, k_blk], dim=2)
-        v = torch.cat([ctx_v, v_blk], dim=2)
+        k = torch.cat([*ctx_k, k_blk] if isinstance(ctx_k, tuple) else [ctx_k, k_blk], dim=2)
+        v = torch.cat([*ctx_v, v_blk] if isinstance(ctx_v, tuple) else [ctx_v, v_blk], dim=2)
         if self.attention_impl == "fused":
             out = self._fused(q, k, v, attn_mask, profile, rows_on)
             return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
@@ -386,12 +387,14 @@ class DFlashDrafter(nn.Module):
         h, new_kv = block_embeds, []
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.self_attn.context_kv(ctx, cos[:, :, :c_new], sin[:, :, :c_new])
-            if new_kv_only:
+            if new_kv_only:  # the cache is read where it lies: one concat (cache, new rows, block) per call
                 new_kv.append((k_new, v_new))
-            if past_kv is not None:
-                k_new = torch.cat([past_kv[i][0], k_new], dim=2)
-                v_new = torch.cat([past_kv[i][1], v_new], dim=2)
-            if not new_kv_only:
+                if past_kv is not None:
+                    k_new, v_new = (past_kv[i][0], k_new), (past_kv[i][1], v_new)
+            else:
+                if past_kv is not None:
+                    k_new = torch.cat([past_kv[i][0], k_new], dim=2)
+                    v_new = torch.cat([past_kv[i][1], v_new], dim=2)
                 new_kv.append((k_new, v_new))
             h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale, profile,
                       rows_on)
