@@ -1,4 +1,5 @@
 """The greedy speculative loop on the tiny exported pair: lossless, invariants every round, stops, limits."""
+import copy
 import json
 import shutil
 
@@ -235,9 +236,7 @@ def test_ragged_draft_call_equals_solo_calls(engine):
         rows.append((dc, ids[-1], feats[0, split:]))
     solo = []
     for dc, bonus, ctx in rows:
-        copy = engine.drafter.new_cache()
-        copy.kv = list(dc.kv)
-        solo.append(engine.drafter.draft([copy], [bonus], [ctx])[0])
+        solo.append(engine.drafter.draft([copy.deepcopy(dc)], [bonus], [ctx])[0])
     lengths = [dc.length + ctx.shape[0] for dc, _, ctx in rows]
     batched = engine.drafter.draft([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
     np.testing.assert_allclose(batched, np.stack(solo), atol=1e-4, rtol=1e-4)
