@@ -149,7 +149,9 @@ def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: in
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
         recs = features(target, ids, lengths)
-        torch.save({"kind": kind, "records": recs}, out_dir / f"shard_{shard:05d}.pt")
+        tmp = out_dir / f".shard_{shard:05d}.pt.tmp"  # renamed when complete: an interrupted call leaves no bad shard
+        torch.save({"kind": kind, "records": recs}, tmp)
+        tmp.replace(out_dir / f"shard_{shard:05d}.pt")
         shard += 1
         ntok = sum(lengths)
         print(f"shard {shard} {kind} {ntok} tokens, {time.time() - t0:.0f}s", flush=True)
