@@ -113,8 +113,20 @@ def cli():
 @click.option("--distill-frac", default=0.5, help="fraction of shards that are self-distilled")
 @click.option("--threads", default=2)
 @click.option("--seed", default=0)
-def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: int):
+@click.option("--seq-len", default=SEQ_LEN, show_default=True, type=click.IntRange(256, 8192),
+              help="tokens per sequence: teacher-forced windows have this length; self-distilled prompts leave "
+                   "room for --new-tokens")
+@click.option("--new-tokens", default=192, show_default=True, type=click.IntRange(16, 1024),
+              help="greedy tokens the target appends to each self-distillation prompt")
+@click.option("--long-prompts", is_flag=True,
+              help="self-distillation prompts are document windows of one random length per shard, up to "
+                   "seq-len - new-tokens (instead of 64-256 tokens or a chat prompt): labels along the target's "
+                   "greedy chain at long context")
+def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: int, seq_len: int, new_tokens: int,
+         long_prompts: bool):
     """Append feature shards (teacher-forced and self-distilled) until the time budget is spent."""
+    if long_prompts and seq_len - new_tokens < 64:
+        raise click.BadParameter(f"--seq-len {seq_len} leaves no room for prompts with --new-tokens {new_tokens}")
     torch.set_num_threads(threads)
     target, tok = load_target()
     target.config._attn_implementation = "sdpa"
@@ -122,39 +134,53 @@ def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: in
     out_dir.mkdir(parents=True, exist_ok=True)
     start = len(list(out_dir.glob("shard_*.pt")))
     rng = random.Random(seed + start)
-    windows = [w for doc in documents("train") for w in _windows(tok.encode(doc), SEQ_LEN)]
+    windows = [w for doc in documents("train") for w in _windows(tok.encode(doc), seq_len)]
     rng.shuffle(windows)
     prompts = chat_prompts("train", tok)
     rng.shuffle(prompts)
     t0, shard = time.time(), start
     while time.time() - t0 < minutes * 60:
         if rng.random() < distill_frac:
-            batch = []
-            for _ in range(16):
-                if rng.random() < 0.5:
-                    batch.append(prompts[rng.randrange(len(prompts))][: SEQ_LEN - 200])
-                else:
-                    w = windows[rng.randrange(len(windows))]
-                    n = rng.randrange(64, 256)
-                    o = rng.randrange(0, len(w) - n + 1)
-                    batch.append(w[o:o + n])
-            seqs = self_distill(target, tok, batch, new_tokens=192)
+            batch = distill_prompts(rng, windows, prompts, seq_len - new_tokens, long_prompts)
+            seqs = self_distill(target, tok, batch, new_tokens=new_tokens)
             kind = "distill"
         else:
             seqs = [windows[(shard * 8 + i) % len(windows)] for i in range(8)]
             kind = "text"
-        seqs = [s[:SEQ_LEN] for s in seqs]
+        seqs = [s[:seq_len] for s in seqs]
         lengths = [len(s) for s in seqs]
         ids = torch.full((len(seqs), max(lengths)), tok.eos_token_id)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
-        recs = features(target, ids, lengths)
+        recs = [r for i in range(0, len(seqs), 4)  # 4 sequences per forward bounds the [4, S, vocab] logits
+                for r in features(target, ids[i:i + 4], lengths[i:i + 4])]
         tmp = out_dir / f".shard_{shard:05d}.pt.tmp"  # renamed when complete: an interrupted call leaves no bad shard
-        torch.save({"kind": kind, "records": recs}, tmp)
+        torch.save({"kind": kind, "seq_len": seq_len, "records": recs}, tmp)
         tmp.replace(out_dir / f"shard_{shard:05d}.pt")
         shard += 1
         ntok = sum(lengths)
         print(f"shard {shard} {kind} {ntok} tokens, {time.time() - t0:.0f}s", flush=True)
+
+
+def distill_prompts(rng: random.Random, windows: list[list[int]], chat: list[list[int]], max_len: int,
+                    long_prompts: bool, count: int = 16) -> list[list[int]]:
+    """``count`` self-distillation prompts (token id lists of at most ``max_len`` ids).
+
+    Default: each is, with probability 1/2, a chat-template prompt (cut to ``max_len - 8``) or a 64-255-token slice
+    of a document window. ``long_prompts``: all are document slices of one length drawn from 64 .. ``max_len`` for
+    the whole batch, so the left-padded batch wastes nothing and long contexts are as likely as short ones.
+    """
+    n_long = rng.randrange(64, max_len + 1)
+    out = []
+    for _ in range(count):
+        if long_prompts or rng.random() >= 0.5:
+            w = windows[rng.randrange(len(windows))]
+            n = min(n_long if long_prompts else rng.randrange(64, 256), max_len)
+            o = rng.randrange(0, max(1, len(w) - n + 1))
+            out.append(w[o:o + n])
+        else:
+            out.append(chat[rng.randrange(len(chat))][: max_len - 8])
+    return out
 
 
 def _windows(ids: list[int], n: int) -> list[list[int]]:
@@ -263,9 +289,16 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
                    "it carry no loss. About 2x faster steps with 8,192 of 49,152 rows.")
 @click.option("--slot-decay", default=4.0, show_default=True, type=click.FloatRange(min=0.1),
               help="CE weight of slot j is exp(-(j-1)/slot_decay); smaller favours the first slots")
+@click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="start a new run (no checkpoint under --work yet) from these DFlash weights, e.g. the shipped "
+                   "drafters/dflash-smollm2-135m, with a fresh optimizer; ignored when resuming")
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
-          threads: int, draft_vocab_path: Path | None, slot_decay: float):
-    """Train (or resume) the drafter on all shards under --work for --minutes of wall time."""
+          threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None):
+    """Train (or resume) the drafter on all shards under --work for --minutes of wall time.
+
+    The drafter's ``sharpdraft_query_scale.ref_keys`` is set to the longest training sequence (its training
+    length): beta stays 1 at every N it was trained at, and training runs with beta 1.
+    """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     target, _ = load_target()
@@ -283,8 +316,14 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     ckpt_path = work / "ckpt.pt"
     d = make_drafter(target, layers)
     del target
-    opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     state = {"step": 0, "seconds": 0.0, "log": []}
+    if init_from is not None and not ckpt_path.exists():
+        from runtime.models.dflash import load_dflash
+
+        d = load_dflash(init_from)
+        state["init_from"] = str(init_from)
+        print(f"new run from the weights in {init_from}")
+    opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     if ckpt_path.exists():
         ck = torch.load(ckpt_path)
         d.load_state_dict(ck["model"])
@@ -296,7 +335,10 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         "draft_vocab": str(draft_vocab_path) if draft_vocab_path else None, "slot_decay": slot_decay})
     train_recs, val_recs = load_shards(work)
     ntok = sum(r["ids"].numel() for r in train_recs)
-    print(f"{len(train_recs)} train sequences, {ntok} tokens; {len(val_recs)} validation sequences")
+    train_len = max(r["ids"].numel() for r in train_recs)
+    d.config.query_scale = training_profile(d.config.query_scale, train_len)
+    print(f"{len(train_recs)} train sequences, {ntok} tokens (longest {train_len}: the drafter's ref_keys); "
+          f"{len(val_recs)} validation sequences")
     if state["step"]:  # where this call starts, measured the same way as its saves (same loss settings)
         print("VAL-start", json.dumps(validate(d, val_recs, embed, lm_head, loss_kw)), flush=True)
     rng = random.Random(state["step"])
@@ -337,6 +379,14 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw)
 
 
+def training_profile(query_scale: dict | None, train_len: int) -> dict:
+    """The drafter's ``sharpdraft_query_scale`` after training on sequences of at most ``train_len`` tokens:
+    ref_keys = ``train_len`` (beta 1 at every N seen in training, as SharpDraft's ref is the training length),
+    the other fields kept (default top_k 32, slope 5, cap e^0.5, enabled)."""
+    base = {"top_k": 32, "slope": 5.0, "cap": math.exp(0.5), "enabled": True}
+    return {**base, **(query_scale or {}), "ref_keys": int(train_len)}
+
+
 @torch.no_grad()
 def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
     d.eval()
@@ -359,18 +409,28 @@ def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw):
     v = validate(d, val_recs, embed, lm_head, loss_kw)
     state["log"].append({"step": state["step"], "seconds": round(state["seconds"]), **v})
     print("VAL", json.dumps(state["log"][-1]), flush=True)
+    ck = {"model": d.state_dict(), "opt": opt.state_dict(), "state": state, "config": d.config.to_dict()}
     tmp = ckpt_path.with_suffix(".tmp")
-    torch.save({"model": d.state_dict(), "opt": opt.state_dict(), "state": state, "config": d.config.to_dict()},
-               tmp)
+    torch.save(ck, tmp)
     tmp.replace(ckpt_path)
+    # the best validation so far (proxy MAL of this call's loss settings) also goes to ckpt_best.pt: small data
+    # revisited many times can overfit before the time budget ends (`save --best` writes it)
+    call_start = state["calls"][-1]["at_step"] if state.get("calls") else 0
+    this_call = [e for e in state["log"] if e["step"] > call_start]
+    if v["val_proxy_mal"] >= max(e["val_proxy_mal"] for e in this_call):
+        torch.save(ck, tmp)
+        tmp.replace(ckpt_path.with_name("ckpt_best.pt"))
+        print(f"best of this call so far (step {state['step']}) -> {ckpt_path.with_name('ckpt_best.pt')}")
 
 
 @cli.command()
 @click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
 @click.option("--out", default="drafters/dflash-smollm2-135m", type=click.Path(path_type=Path))
-def save(work: Path, out: Path):
+@click.option("--best", is_flag=True, help="write ckpt_best.pt (the last call's best validation) instead of the "
+                                          "latest checkpoint")
+def save(work: Path, out: Path, best: bool):
     """Write the checkpoint in the public DFlash format (bf16 safetensors) plus training_log.json."""
-    ck = torch.load(work / "ckpt.pt")
+    ck = torch.load(work / ("ckpt_best.pt" if best else "ckpt.pt"))
     d = DFlashDrafter(DFlashConfig.from_dict(ck["config"]))
     d.load_state_dict(ck["model"])
     d = d.to(torch.bfloat16)
@@ -380,7 +440,12 @@ def save(work: Path, out: Path):
     for f in shards:
         s = torch.load(f)
         kinds[s["kind"]] = kinds.get(s["kind"], 0) + sum(r["ids"].numel() for r in s["records"])
-    (out / "training_log.json").write_text(json.dumps({"tokens_by_kind": kinds, **ck["state"]}, indent=1))
+    log = {"tokens_by_kind": kinds, **ck["state"]}
+    init = ck["state"].get("init_from")
+    prev_file = Path(init) / "training_log.json" if init else None
+    if prev_file is not None and prev_file.is_file():  # a run started from shipped weights keeps their history
+        log["previous_run"] = json.loads(prev_file.read_text())
+    (out / "training_log.json").write_text(json.dumps(log, indent=1))
     print(f"wrote {out}")
 
 

@@ -100,3 +100,31 @@ def test_draft_vocab_loss():
 @pytest.mark.parametrize("row,expected", [([1, 1, 0, 1], 3), ([0, 1, 1, 1], 1), ([1, 1, 1, 1], 5)])
 def test_accept_len(row, expected):
     assert accept_len(torch.tensor([row], dtype=torch.bool)).item() == expected
+
+
+def test_distill_prompts_long_and_default():
+    import random
+
+    from scripts.train_dflash import distill_prompts
+
+    windows = [list(range(i * 1000, i * 1000 + 900)) for i in range(5)]
+    chat = [[-7] * 2000, [-8] * 30]
+    for seed in range(5):
+        long = distill_prompts(random.Random(seed), windows, chat, max_len=700, long_prompts=True)
+        assert len(long) == 16 and len({len(p) for p in long}) == 1  # one length per batch: no padding
+        assert 64 <= len(long[0]) <= 700
+        for p in long:  # contiguous slices of one window
+            assert p == list(range(p[0], p[0] + len(p))) and p[0] // 1000 == p[-1] // 1000
+        short = distill_prompts(random.Random(seed), windows, chat, max_len=700, long_prompts=False)
+        assert all(len(p) <= 692 if p[0] < 0 else 64 <= len(p) < 256 for p in short)
+    kinds = {p[0] < 0 for s in range(8) for p in distill_prompts(random.Random(s), windows, chat, 700, False)}
+    assert kinds == {True, False}  # both chat prompts and document slices
+
+
+def test_training_profile_sets_ref_keys_to_training_length():
+    from scripts.train_dflash import training_profile
+
+    prof = training_profile({"ref_keys": 512, "top_k": 16, "slope": 3.0, "cap": 1.5, "enabled": True}, 1280)
+    assert prof == {"ref_keys": 1280, "top_k": 16, "slope": 3.0, "cap": 1.5, "enabled": True}
+    fresh = training_profile(None, 640)
+    assert fresh["ref_keys"] == 640 and fresh["slope"] == 5.0 and fresh["top_k"] == 32
