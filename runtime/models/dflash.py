@@ -167,6 +167,14 @@ def _check_impl(impl: str) -> str:
     return impl
 
 
+def _masked(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """Scores ``[..., q, keys]`` with ``attn_mask`` applied: a bool mask (True = visible) sets hidden keys to -inf,
+    any other dtype is added; None leaves them as they are."""
+    if attn_mask is None:
+        return scores
+    return scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+
+
 class DFlashAttention(nn.Module):
     """DFlash block attention; ``attention_impl`` "eager" (inline softmax) or "fused" (the sharpdraft op)."""
 
@@ -229,10 +237,7 @@ class DFlashAttention(nn.Module):
             return self.o_proj(self._grouped(q, k, v, attn_mask))
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [batch, heads, B, s + B]
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-                else scores + attn_mask
+        scores = _masked(torch.matmul(q, k.transpose(-1, -2)) * self.scaling, attn_mask)  # [b, heads, B, s + B]
         attention_probe.emit(self, scores)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
@@ -248,10 +253,7 @@ class DFlashAttention(nn.Module):
         """
         b, _, q_len, _ = q.shape
         qg = q.reshape(b, self.nkv, (self.nh // self.nkv) * q_len, self.hd)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scaling  # [b, kv_heads, groups * B, keys]
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-                else scores + attn_mask
+        scores = _masked(torch.matmul(qg, k.transpose(-1, -2)) * self.scaling, attn_mask)  # [b, kv, g * B, keys]
         if attention_probe.active():
             attention_probe.emit(self, scores.reshape(b, self.nh, q_len, scores.shape[-1]))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
