@@ -337,12 +337,15 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         "at_step": state["step"], "minutes": minutes, "lr": lr, "seqs_per_step": seqs_per_step, "anchors": anchors,
         "draft_vocab": str(draft_vocab_path) if draft_vocab_path else None, "slot_decay": slot_decay})
     train_recs, val_recs = load_shards(work)
+    if not train_recs or not val_recs:
+        raise click.UsageError(f"{work / 'data'} holds {len(train_recs)} training and {len(val_recs)} validation "
+                               "sequences (1 in 40 is held out); run the `data` step (longer) first")
     ntok = sum(r["ids"].numel() for r in train_recs)
     train_len = max(r["ids"].numel() for r in train_recs)
     d.config.query_scale = training_profile(d.config.query_scale, train_len)
     print(f"{len(train_recs)} train sequences, {ntok} tokens (longest {train_len}: the drafter's ref_keys); "
           f"{len(val_recs)} validation sequences")
-    if state["step"]:  # where this call starts, measured the same way as its saves (same loss settings)
+    if state["step"] or "init_from" in state:  # where this call starts, measured as its saves are
         print("VAL-start", json.dumps(validate(d, val_recs, embed, lm_head, loss_kw)), flush=True)
     rng = random.Random(state["step"])
     t_start, budget = time.time(), minutes * 60
