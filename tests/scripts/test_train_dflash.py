@@ -128,3 +128,40 @@ def test_training_profile_sets_ref_keys_to_training_length():
     assert prof == {"ref_keys": 1280, "top_k": 16, "slope": 3.0, "cap": 1.5, "enabled": True}
     fresh = training_profile(None, 640)
     assert fresh["ref_keys"] == 640 and fresh["slope"] == 5.0 and fresh["top_k"] == 32
+
+
+def test_save_best_keeps_extra_config_and_previous_log(tmp_path):
+    """`save --best` writes ckpt_best.pt (not the latest ckpt.pt) in the public layout, keeps the config's extra
+    fields (the verify default) and nests the init folder's training_log.json under previous_run."""
+    import json
+
+    from click.testing import CliRunner
+
+    from runtime.models.dflash import load_dflash
+    from scripts.train_dflash import cli
+
+    init = tmp_path / "shipped"
+    init.mkdir()
+    (init / "training_log.json").write_text(json.dumps({"step": 7, "log": [{"step": 7}]}))
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    best, latest = _drafter(), _drafter()
+    with torch.no_grad():
+        for p in latest.parameters():
+            p.add_(1.0)
+    best.config.extra["sharpdraft_verify_draft_tokens"] = 2
+    best.config.query_scale = {"ref_keys": 1280, "top_k": 32, "slope": 5.0, "cap": 1.6, "enabled": True}
+    state = {"step": 40, "seconds": 1.0, "log": [{"step": 40}], "init_from": str(init), "calls": []}
+    for name, d in (("ckpt_best.pt", best), ("ckpt.pt", latest)):
+        torch.save({"model": d.state_dict(), "opt": {}, "state": state, "config": best.config.to_dict()},
+                   work / name)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["save", "--work", str(work), "--out", str(out), "--best"])
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["sharpdraft_verify_draft_tokens"] == 2 and cfg["sharpdraft_query_scale"]["ref_keys"] == 1280
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["previous_run"] == {"step": 7, "log": [{"step": 7}]} and log["step"] == 40
+    saved = load_dflash(out)
+    for k, v in best.state_dict().items():  # bf16 on disk
+        torch.testing.assert_close(saved.state_dict()[k], v.to(torch.bfloat16).float())
