@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from plugins.rule import QueryScaleProfile  # noqa: E402
 from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
 from scripts.corpus import chat_prompts, documents  # noqa: E402
@@ -52,7 +53,7 @@ def make_drafter(target, num_layers: int) -> DFlashDrafter:
         intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size, block_size=BLOCK,
         mask_token_id=tc.vocab_size, target_layer_ids=TAPS, num_target_layers=tc.num_hidden_layers,
         rms_norm_eps=tc.rms_norm_eps, rope_theta=100000.0, max_position_embeddings=tc.max_position_embeddings,
-        query_scale={"ref_keys": SEQ_LEN, "top_k": 32, "slope": 5.0, "cap": math.exp(0.5), "enabled": True})
+        query_scale=training_profile(None, SEQ_LEN))
     d = DFlashDrafter(cfg)
     # Initialise each drafter layer from one of the target's last layers (Llama has no q/k norm: those stay 1).
     tl = target.model.layers
@@ -390,9 +391,8 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
 def training_profile(query_scale: dict | None, train_len: int) -> dict:
     """The drafter's ``sharpdraft_query_scale`` after training on sequences of at most ``train_len`` tokens:
     ref_keys = ``train_len`` (beta 1 at every N seen in training, as SharpDraft's ref is the training length),
-    the other fields kept (default top_k 32, slope 5, cap e^0.5, enabled)."""
-    base = {"top_k": 32, "slope": 5.0, "cap": math.exp(0.5), "enabled": True}
-    return {**base, **(query_scale or {}), "ref_keys": int(train_len)}
+    the other fields kept (missing ones: the rule's defaults, plugins/rule.py)."""
+    return {**QueryScaleProfile().to_dict(), **(query_scale or {}), "ref_keys": int(train_len)}
 
 
 @torch.no_grad()
