@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from export.pipeline import FAMILIES, ExportConfig, ExportError, run_export
+from export.pipeline import DEFAULT_TARGET_PRECISION, FAMILIES, ExportConfig, ExportError, run_export
 from export.rewrite import QueryScaleRewriteError
 
 
@@ -41,18 +41,28 @@ from export.rewrite import QueryScaleRewriteError
                    "where supported")
 @click.option("--drafter-kv-io", type=click.Choice(["static", "concat"]), default="static", show_default=True,
               help="DFlash drafter graph's KV interface (as --target-kv-io; PARD / EAGLE-3 drafters are concat)")
+@click.option("--target-precision", type=click.Choice(["fp32", "int8", "int4"]), default=DEFAULT_TARGET_PRECISION,
+              show_default=True,
+              help="target graph precision: fp32 (sharpdraft's own graph, equal to transformers) or int4 / int8 "
+                   "(weight-only MatMulNBits, built by ONNX Runtime GenAI's model builder; see README)")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
+              help="int4/int8: MatMulNBits activation precision (4 = int8 activations, the default; 1 = fp32)")
 @click.option("-v", "--verbose", is_flag=True)
 def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
-         full_vocab, verify_draft_tokens, target_kv_io, drafter_kv_io, verbose):
+         full_vocab, verify_draft_tokens, target_kv_io, drafter_kv_io, target_precision, accuracy_level, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on stderr would bury the one error line
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
                            slope=slope, cap=cap, query_scale=not no_query_scale,
                            fused_attention=fused_attention, num_draft_tokens=num_draft_tokens,
                            full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens,
-                           target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io)
+                           target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io,
+                           target_precision=target_precision, accuracy_level=accuracy_level)
         manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
         click.echo(f"sharpdraft-export: error: {e}", err=True)
@@ -65,7 +75,8 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                f"{manifest['drafter']['verify_draft_tokens']} verified by default), query scale "
                f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, slope {qs['slope']}, "
                f"source {qs['source']})")
-    click.echo("validation: " + json.dumps({k: v.get("max_abs_diff_logits", None) if k == "target" else
+    click.echo("validation: " + json.dumps({k: v.get("max_abs_diff_logits", v.get("top1_agreement_fp32"))
+                                             if k == "target" else
                                              [p["max_abs_diff_logits"] for p in v["points"]]
                                              for k, v in manifest["validation"].items()}))
 

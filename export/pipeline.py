@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from plugins.rule import QueryScaleProfile
@@ -30,6 +31,7 @@ DEFAULT_CHECKPOINTS = {"dflash": REPO_ROOT / "drafters" / "dflash-smollm2-135m",
 DEFAULT_EAGLE3_DRAFT_TOKENS = 5  # chain length K when the checkpoint does not say
 DEFAULT_PARD_DRAFT_TOKENS = 8  # K when the checkpoint does not say (sharpdraft_num_draft_tokens); the reference uses 12
 FAMILIES = ("dflash", "pard", "eagle3")
+DEFAULT_TARGET_PRECISION = "int4"  # measured by scripts/bench_peers.py (README "Quantized target")
 
 
 class ExportError(RuntimeError):
@@ -53,6 +55,8 @@ class ExportConfig:
     verify_draft_tokens: int | None = None  # runtime default of draft tokens verified per round (<= drafted)
     target_kv_io: str = "auto"  # export/graphs.py export_target: "static", "concat" or "auto"
     drafter_kv_io: str = "static"  # export/graphs.py export_drafter (DFlash): "static" or "concat"
+    target_precision: str = DEFAULT_TARGET_PRECISION  # "fp32" (export/graphs.py), "int4" / "int8" (genai_target.py)
+    accuracy_level: int | None = None  # int4/int8: MatMulNBits activation precision (None: the module default)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -62,6 +66,16 @@ class ExportConfig:
                               f"({', '.join(DEFAULT_CHECKPOINTS)} only)")
         if self.target_kv_io not in ("auto", "static", "concat"):
             raise ExportError(f"target_kv_io must be auto, static or concat, not {self.target_kv_io!r}")
+        from export.genai_target import PRECISIONS
+
+        if self.target_precision not in PRECISIONS:
+            raise ExportError(f"--target-precision must be one of {', '.join(PRECISIONS)}, not "
+                              f"{self.target_precision!r}")
+        if self.target_precision != "fp32" and self.target_kv_io != "auto":
+            raise ExportError(f"--target-kv-io {self.target_kv_io} applies to fp32 targets; an "
+                              f"{self.target_precision} target always shares its past/present buffers")
+        if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ExportError(f"--accuracy-level must be 0..4, not {self.accuracy_level}")
         if self.drafter_kv_io not in ("static", "concat"):
             raise ExportError(f"drafter_kv_io must be static or concat, not {self.drafter_kv_io!r}")
         if self.verify_draft_tokens is not None and self.verify_draft_tokens < 1:
@@ -220,7 +234,7 @@ def find_shared_weights(target_onnx: Path) -> dict:
 
 def _graph_entry(root: Path, onnx_file: Path, io: dict) -> dict:
     files = [onnx_file] + [p for p in onnx_file.parent.iterdir() if p != onnx_file]
-    extra = {"kv_io": io["kv_io"]} if "kv_io" in io else {}
+    extra = {k: io[k] for k in ("kv_io", "precision", "taps_output", "min_q_len", "builder") if k in io}
     return {"file": str(onnx_file.relative_to(root)), "inputs": io["inputs"], "outputs": io["outputs"], **extra,
             "sha256": {str(p.relative_to(root)): sha256_file(p) for p in sorted(files)}}
 
@@ -276,6 +290,13 @@ def run_export(cfg: ExportConfig) -> dict:
              or (DEFAULT_PARD_DRAFT_TOKENS if pard else DEFAULT_EAGLE3_DRAFT_TOKENS))
     else:
         k = drafter.config.block_size - 1
+    if cfg.target_precision != "fp32":  # refused in seconds, before any graph is built
+        from export.genai_target import GenaiBuildError, builder_taps
+
+        try:
+            builder_taps(taps, target.config.num_hidden_layers)
+        except GenaiBuildError as e:
+            raise ExportError(str(e)) from e
     verify = cfg.verify_draft_tokens or _verify_default(drafter)
     if verify is not None and not 1 <= int(verify) <= k:
         raise ExportError(f"verify_draft_tokens {verify} must be in 1..{k} (the draft tokens per round of this "
@@ -283,8 +304,12 @@ def run_export(cfg: ExportConfig) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
-        log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
-        target_io = export_target(target, taps, tmp / "target" / "model.onnx", kv_io=cfg.target_kv_io)
+        quantized = cfg.target_precision != "fp32"
+        if quantized:
+            target_io = _build_quantized_target(cfg, target, taps, tmp / "target")
+        else:
+            log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
+            target_io = export_target(target, taps, tmp / "target" / "model.onnx", kv_io=cfg.target_kv_io)
         log.info("exporting drafter ...")
         switch = "query_scale_enabled" if profile.enabled else None
         fc_io = None
@@ -307,10 +332,22 @@ def run_export(cfg: ExportConfig) -> dict:
         log.info("query-scale rewrite: %s", counts)
         if draft_ids is not None:
             shutil.copyfile(Path(ckpt) / DRAFT_VOCAB_FILE, tmp / "drafter" / DRAFT_VOCAB_FILE)
-        shared = find_shared_weights(tmp / "target" / "model.onnx")
-        shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
-        embed = target.get_input_embeddings().weight.detach()
-        lm_head = target.get_output_embeddings().weight.detach()
+        if quantized:
+            from export.genai_target import find_shared_weights as find_quantized_weights
+            from runtime.shared_tables import load_shared_table
+
+            shared = find_quantized_weights(tmp / "target" / "model.onnx")
+            shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
+            # the drafter is validated on the tables it will be fed: the target graph's own (int4 / int8) ones
+            tables = {name: torch.from_numpy(np.array(load_shared_table(tmp / "target" / "model.onnx", spec)))
+                      for name, spec in shared.items()}
+            embed = tables.get("embed_weight", target.get_input_embeddings().weight.detach())
+            lm_head = tables.get("lm_head_weight", target.get_output_embeddings().weight.detach())
+        else:
+            shared = find_shared_weights(tmp / "target" / "model.onnx")
+            shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
+            embed = target.get_input_embeddings().weight.detach()
+            lm_head = target.get_output_embeddings().weight.detach()
         log.info("validating (ORT vs torch) ...")
         if eagle3:
             drafter_check = validate_eagle3_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile,
@@ -323,8 +360,13 @@ def run_export(cfg: ExportConfig) -> dict:
             head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
             drafter_check = validate_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile, embed,
                                              head)
-        validation = {"target": validate_target(target, taps, tmp / "target" / "model.onnx", target_io),
-                      "drafter": drafter_check}
+        if quantized:
+            from export.validate import validate_shared_target
+
+            target_check = validate_shared_target(target, taps, tmp / "target" / "model.onnx", target_io, tok)
+        else:
+            target_check = validate_target(target, taps, tmp / "target" / "model.onnx", target_io)
+        validation = {"target": target_check, "drafter": drafter_check}
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
         if fc_io is not None:
@@ -345,6 +387,26 @@ def run_export(cfg: ExportConfig) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir: Path) -> dict:
+    """``target/`` from ONNX Runtime GenAI's model builder (export/genai_target.py). Raises ExportError."""
+    from export.genai_target import DEFAULT_ACCURACY_LEVEL, GenaiBuildError, build_target, write_note
+    from runtime.models.target import TargetLoadError, resolve_target
+
+    try:
+        hf_dir = resolve_target(cfg.target)
+    except TargetLoadError as e:
+        raise ExportError(str(e)) from e
+    level = DEFAULT_ACCURACY_LEVEL if cfg.accuracy_level is None else cfg.accuracy_level
+    log.info("building the %s target with ONNX Runtime GenAI's model builder (accuracy_level %d) ...",
+             cfg.target_precision, level)
+    try:
+        io = build_target(hf_dir, out_dir, cfg.target_precision, taps, target.config.num_hidden_layers, level)
+    except GenaiBuildError as e:
+        raise ExportError(str(e)) from e
+    write_note(out_dir, io)
+    return io
 
 
 def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, embed, lm_head,
@@ -433,7 +495,8 @@ def _manifest(cfg, ckpt, drafter_entry, target, tok, profile, profile_source, co
                    "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,
                    "num_key_value_heads": t.num_key_value_heads,
                    "head_dim": getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-                   "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings},
+                   "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings,
+                   "precision": cfg.target_precision},
         "tokenizer": {"dir": "tokenizer", "eos_token_ids": eos_ids, "vocab_size": len(tok)},
         "shared_weights": shared,
         "graphs": graphs,

@@ -78,6 +78,101 @@ def validate_target(model, tap_ids: list[int], path: Path, io: dict, seed: int =
             "max_abs_diff_kv": diffs["kv"], "kv_io": io.get("kv_io", "concat"), "atol": TARGET_ATOL}
 
 
+SHARED_ATOL = 1e-3  # quantized graph vs itself (cached vs one pass, after a rollback): same kernels
+MIN_TOP1_AGREEMENT = 0.5  # int4 / int8 vs fp32 on real text: another model, but not a broken one
+MIN_TAP_COSINE = 0.9
+VALIDATION_TEXT = ("The quick brown fox jumps over the lazy dog. In 1905 Albert Einstein published four papers that "
+                   "changed physics: on the photoelectric effect, Brownian motion, special relativity and the "
+                   "equivalence of mass and energy.\ndef add(a, b):\n    return a + b\n")
+
+
+@torch.no_grad()
+def validate_shared_target(model, tap_ids: list[int], path: Path, io: dict, tokenizer, seed: int = 0) -> dict:
+    """Check a quantized builder graph (kv_io "shared", export/genai_target.py) before it is shipped.
+
+    1. Against itself: a prefill of n - 4 tokens then a cached 4-token verify block in one shared buffer (noise in
+       the spare slots behind) must equal one pass over all n tokens, and a ragged batch of two rows (lengths n - 4
+       and n - 8, each + 4) must equal each row run alone: the KV writes, the per-row positions and the rollback
+       contract the runtime relies on.
+    2. Against the fp32 torch target on real text: the share of positions whose argmax agrees (a quantized target
+       is another model, so this is a sanity floor, ``MIN_TOP1_AGREEMENT``), and per tap the cosine similarity
+       with the transformers hidden state it must equal (``hidden_states[id + 1]``), which must beat both
+       neighbouring layers' (an off-by-one tap fails here).
+
+    Returns:
+        ``{"kv_io", "precision", "max_abs_diff_cached_vs_full", "max_abs_diff_after_rollback", "top1_agreement_fp32",
+        "tap_cosine": [...], "tap_cosine_neighbours": [[prev, next], ...], "atol"}``.
+    Raises:
+        ValidationError: any check above fails.
+    """
+    from runtime.ort_engines import run_shared
+
+    cfg = model.config
+    sess = _session(path)
+    n_layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    past = [n for n in io["inputs"] if n.startswith("past")]
+    present = [n for n in io["outputs"] if n.startswith("present")]
+    taps_out = io.get("taps_output")
+    ids = np.asarray(tokenizer.encode(VALIDATION_TEXT), np.int64)[None]
+    n = ids.shape[1]
+    rng = np.random.default_rng(seed)
+
+    def buffers(batch: int, cap: int, noise: bool) -> list[np.ndarray]:
+        return [rng.standard_normal((batch, kvh, cap, hd)).astype(np.float32) if noise else
+                np.zeros((batch, kvh, cap, hd), np.float32) for _ in range(2 * n_layers)]
+
+    def call(x, lengths, bufs):
+        mask = np.zeros((x.shape[0], max(lengths)), np.int64)
+        for r, length in enumerate(lengths):
+            mask[r, :length] = 1
+        return run_shared(sess, x, mask, bufs, past, present, taps_out)
+
+    full, full_taps = call(ids, [n], buffers(1, n + 5, False))
+    bufs = buffers(1, n + 5, True)
+    first, _ = call(ids[:, : n - 4], [n - 4], bufs)
+    block, _ = call(ids[:, n - 4:], [n], bufs)
+    cached = max(float(np.abs(first - full[:, : n - 4]).max()), float(np.abs(block - full[:, n - 4:]).max()))
+    # rollback: back to n - 4 cached positions (a length change) and another 4-token block over the stale slots
+    other = ids[:, n - 4:][:, ::-1].copy()
+    ref, _ = call(np.concatenate([ids[:, : n - 4], other], 1), [n], buffers(1, n, False))
+    again, _ = call(other, [n], bufs)
+    rollback = float(np.abs(again - ref[:, n - 4:]).max())
+    # against fp32 torch
+    out = model(input_ids=torch.from_numpy(ids), output_hidden_states=True)
+    agree = float((out.logits[0].argmax(-1).numpy() == full[0].argmax(-1)).mean())
+    cos, neigh = [], []
+    if taps_out:
+        width = cfg.hidden_size
+        for j, t in enumerate(tap_ids):
+            seg = torch.from_numpy(full_taps[0, :, j * width: (j + 1) * width])
+
+            def c(layer: int) -> float:
+                if not 0 <= layer < len(out.hidden_states):
+                    return -1.0
+                return float(torch.nn.functional.cosine_similarity(seg, out.hidden_states[layer][0], dim=-1).mean())
+
+            cos.append(c(t + 1))
+            neigh.append([c(t), c(t + 2)])
+    result = {"kv_io": "shared", "precision": io.get("precision"), "max_abs_diff_cached_vs_full": cached,
+              "max_abs_diff_after_rollback": rollback, "top1_agreement_fp32": agree, "tap_cosine": cos,
+              "tap_cosine_neighbours": neigh, "atol": SHARED_ATOL, "text_tokens": n}
+    problems = []
+    if cached > SHARED_ATOL:
+        problems.append(f"cached verify block differs from one pass by {cached:.3g}")
+    if rollback > SHARED_ATOL:
+        problems.append(f"a block verified after a rollback differs from one pass by {rollback:.3g}")
+    if agree < MIN_TOP1_AGREEMENT:
+        problems.append(f"argmax agrees with the fp32 target at {agree:.0%} of positions only")
+    for t, cs, (a, b) in zip(tap_ids, cos, neigh):
+        if cs < MIN_TAP_COSINE or cs <= max(a, b):
+            problems.append(f"tap of layer {t}: cosine {cs:.3f} with hidden_states[{t + 1}], neighbours {a:.3f} / "
+                            f"{b:.3f} (wrong layer tapped?)")
+    if problems:
+        raise ValidationError(f"quantized target graph {path}: " + "; ".join(problems))
+    return result
+
+
 @torch.no_grad()
 def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: QueryScaleProfile,
                      embed: torch.Tensor, lm_head: torch.Tensor, seed: int = 0) -> dict:

@@ -136,6 +136,16 @@ class StaticKVCache:
             buf[0, :, self.length: end] = t[row, :, :count]
         self.length = end
 
+    def advance(self, count: int) -> None:
+        """Count ``count`` positions a graph wrote into :attr:`kv_buffers` in place (kv_io "shared").
+
+        Raises:
+            ValueError: the buffers have no room for them.
+        """
+        if self.length + count > self.capacity:
+            raise ValueError(f"{count} new positions do not fit a cache of {self.capacity} ({self.length} used)")
+        self.length += count
+
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (rollback: a length change, no copy).
 

@@ -6,6 +6,10 @@ sequence's cache in a :class:`StaticKVCache`: preallocated buffers the graph rea
 therefore returns no cache from the graph; a ragged batch gathers its rows' valid positions into one padded tensor
 per call.
 
+Quantized targets (``--target-precision int4|int8``, export/genai_target.py: ONNX Runtime GenAI's builder graph,
+kv_io "shared") use the same :class:`StaticKVCache` buffers, bound through IOBinding as both past and present:
+the graph writes the new positions into them itself, so a single sequence's step copies nothing at all.
+
 Concat-form graphs (older folders, ``--target-kv-io concat`` / ``--drafter-kv-io concat``, PARD and EAGLE-3
 drafters) return past + new K/V: each sequence owns a :class:`KVCache` per graph (numpy arrays ``[1, kv_heads,
 length, head_dim]``, rollback is a slice); a batched call pads the rows' caches on the right and masks the padding
@@ -25,7 +29,7 @@ from runtime.kv_cache import (KVCache, StaticKVCache, gather_static, pad_caches,
                               unpad_present)
 
 from runtime.draft_vocab import expand_logits, load_draft_vocab
-from runtime.manifest import read_initializer
+from runtime.shared_tables import load_shared_table
 
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -124,12 +128,26 @@ class OrtTarget(_Graph):
                          (t["num_layers"], t["num_key_value_heads"], t["head_dim"]), device, threads)
         self.max_positions = t["max_position_embeddings"]
         self.vocab_size = t["vocab_size"]
-        self.static = manifest["graphs"]["target"].get("kv_io") == "static"
+        graph = manifest["graphs"]["target"]
+        self.kv_io = graph.get("kv_io", "concat")
+        self.static = self.kv_io == "static"
+        self.shared_kv = self.kv_io == "shared"  # builder graph: past and present are one buffer (GQA)
+        self.precision = graph.get("precision", "fp32")
+        if self.shared_kv:
+            self.present_names = [n for n in graph["outputs"] if n.startswith("present")]
+            self.taps_output = graph.get("taps_output")
+            self.kv_dtype = _ORT_DTYPES[self.session.get_inputs()[2].type]
+        # int8-activation graphs (MatMulNBits accuracy_level 4) give a 1-token step other rounding than a block of
+        # >= 2, so such graphs record min_q_len 2: every call then takes the block path, and speculative greedy
+        # output equals target-only greedy output bit for bit (README "Quantized target"). $SHARPDRAFT_TARGET_MIN_Q
+        # overrides it for benchmarks of the plain 1-token step.
+        self.min_q = max(1, int(os.environ.get("SHARPDRAFT_TARGET_MIN_Q", 0)) or int(graph.get("min_q_len", 1)))
         self.prefill_chunk = int(os.environ.get("SHARPDRAFT_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK))
 
     def new_cache(self) -> KVCache | StaticKVCache:
-        if self.static:
-            return StaticKVCache(self.num_layers, self.kv_heads, self.head_dim)
+        if self.static or self.shared_kv:
+            return StaticKVCache(self.num_layers, self.kv_heads, self.head_dim,
+                                 dtype=self.kv_dtype if self.shared_kv else np.float32)
         return super().new_cache()
 
     def prefill(self, cache: KVCache | StaticKVCache, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -149,11 +167,14 @@ class OrtTarget(_Graph):
         # A static cache grows chunk by chunk: each chunk's call reads (and masks) the whole buffer, so reserving
         # the prompt's length up front would make every chunk attend to it (measured: 2x slower at 6k tokens).
         step = max(1, self.prefill_chunk)
+        if self.shared_kv:  # the graph reads only each row's own length of its buffer: room costs no compute
+            cache.reserve(cache.length + len(tokens) + 1)
         taps = []
         for i in range(0, len(tokens), step):
-            logits, t = self.forward([cache], [tokens[i: i + step]])
-            taps.append(t[0])
-        return logits[0, -1], np.concatenate(taps)
+            chunk = tokens[i: i + step]
+            logits, t = self.forward([cache], [chunk])
+            taps.append(t[0, : len(chunk)])
+        return logits[0, len(chunk) - 1], np.concatenate(taps)
 
     def forward(self, caches: list[KVCache], tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Run each row's ``tokens[r]`` at positions ``caches[r].length ..`` and append their K/V to ``caches[r]``.
@@ -176,6 +197,12 @@ class OrtTarget(_Graph):
                 raise ValueError(f"sequence of {c.length + n} tokens exceeds the target's {self.max_positions} "
                                  "positions")
         b, q = len(tokens), max(lens)
+        q = max(q, self.min_q)  # placeholder slots after the real ones (never kept, never read by a real token)
+        for c in caches:
+            if c.length + q > self.max_positions:
+                q = max(lens)  # no room for the placeholder at the very end of the positions
+        if self.shared_kv:
+            return self._forward_shared(caches, tokens, lens, q)
         if self.static:
             for c in caches:
                 c.reserve(c.length + q)
@@ -200,6 +227,70 @@ class OrtTarget(_Graph):
         else:
             unpad_present(kv, caches, l_max, lens)
         return logits, taps
+
+    def _forward_shared(self, caches: list[StaticKVCache], tokens: list[list[int]], lens: list[int],
+                        q: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`forward` on a kv_io "shared" graph (export/genai_target.py): past and present bound to one buffer.
+
+        Each row is one graph call over its own buffers: the graph writes the row's q new positions in place (rotary
+        positions from the mask sum, length + q) and the cache only advances its length, so no step copies a
+        cache. Rows are not batched into one call: ONNX Runtime's CPU GroupQueryAttention refuses batch > 1 when
+        q > 1 and a past is given ("batch_size must be 1 when sequence_length > 1"), which is every verify block,
+        and a batched decode would first gather every row's cache into one buffer.
+        """
+        logits = np.empty((len(caches), q, self.vocab_size), np.float32)
+        taps = None
+        for r, (c, row) in enumerate(zip(caches, tokens)):
+            ids = np.full((1, q), row[-1], np.int64)  # placeholders after every real token (causal), never kept
+            ids[0, : len(row)] = row
+            c.reserve(c.length + q)
+            lg, tp = run_shared(self.session, ids, np.ones((1, c.length + q), np.int64), c.kv_buffers,
+                                self.kv_names, self.present_names, self.taps_output, self)
+            logits[r] = lg[0]
+            if taps is None:
+                taps = np.zeros((len(caches), q, 0 if tp is None else tp.shape[-1]), np.float32)
+            if tp is not None:
+                taps[r] = tp[0]
+            c.advance(lens[r])
+        return logits, taps
+
+
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def run_shared(session, ids: np.ndarray, mask: np.ndarray, buffers: list[np.ndarray], past_names: list[str],
+               present_names: list[str], taps_output: str | None, timer: "_Graph | None" = None):
+    """One call of a kv_io "shared" graph with each past buffer bound as its own present (IOBinding, no copy).
+
+    Args:
+        ids: ``[batch, q]`` int64; mask: ``[batch, total]`` int64, row sums = cached length + q.
+        buffers: per layer K, V ``[batch, kv_heads, capacity, head_dim]`` C-contiguous arrays, capacity >= total;
+            the graph writes row b's new positions at [sum(mask[b]) - q, sum(mask[b])) in place.
+        timer: a graph whose :attr:`ort_s` accumulates the call's seconds.
+    Returns:
+        (logits ``[batch, q, vocab]`` f32, taps ``[batch, q, F]`` f32 or None without ``taps_output``).
+    """
+    binding = session.io_binding()
+    binding.bind_cpu_input("input_ids", ids)
+    binding.bind_cpu_input("attention_mask", mask)
+    binding.bind_output("logits")
+    if taps_output:
+        binding.bind_output(taps_output)
+    for pn, qn, buf in zip(past_names, present_names, buffers):
+        if not buf.flags.c_contiguous:
+            raise ValueError("shared KV buffers must be C-contiguous")
+        binding.bind_input(pn, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+        binding.bind_output(qn, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+    t0 = time.perf_counter()
+    try:
+        session.run_with_iobinding(binding)
+    finally:
+        if timer is not None:
+            timer.ort_s += time.perf_counter() - t0
+    outs = binding.get_outputs()
+    logits = outs[0].numpy()
+    taps = outs[1].numpy() if taps_output else None
+    return logits, taps
 
 
 class OrtDFlashDrafter(_Graph):
@@ -311,8 +402,7 @@ class OrtDFlashDrafter(_Graph):
 
 
 def _shared_tensor(target_graph: Path, spec: dict) -> np.ndarray:
-    w = read_initializer(target_graph, spec["initializer"])
-    return np.ascontiguousarray(w.T) if spec.get("transpose") else w
+    return load_shared_table(target_graph, spec)
 
 
 class OrtPardDrafter(_Graph):

@@ -102,7 +102,7 @@ def tiny_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
     from export.pipeline import ExportConfig, run_export
 
     out = tmp_path_factory.mktemp("engines") / "engines"
-    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+    run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
                             ref_keys=64))
     return out
 
@@ -113,7 +113,7 @@ def concat_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
     from export.pipeline import ExportConfig, run_export
 
     out = tmp_path_factory.mktemp("concat") / "engines"
-    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+    run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
                             ref_keys=64, target_kv_io="concat", drafter_kv_io="concat"))
     return out
 
@@ -155,7 +155,7 @@ def tiny_pard_engines(tmp_path_factory, tiny_target_dir, tiny_pard_dir) -> Path:
     from export.pipeline import ExportConfig, run_export
 
     out = tmp_path_factory.mktemp("pard_engines") / "engines"
-    run_export(ExportConfig(family="pard", out=out, checkpoint=tiny_pard_dir, target=str(tiny_target_dir),
+    run_export(ExportConfig(target_precision="fp32", family="pard", out=out, checkpoint=tiny_pard_dir, target=str(tiny_target_dir),
                             ref_keys=64, num_draft_tokens=4))
     return out
 
@@ -207,6 +207,6 @@ def tiny_eagle3_engines(tmp_path_factory, tiny_target_dir, tiny_eagle3_dir) -> P
     from export.pipeline import ExportConfig, run_export
 
     out = tmp_path_factory.mktemp("eagle3_engines") / "engines"
-    run_export(ExportConfig(family="eagle3", out=out, checkpoint=tiny_eagle3_dir, target=str(tiny_target_dir),
+    run_export(ExportConfig(target_precision="fp32", family="eagle3", out=out, checkpoint=tiny_eagle3_dir, target=str(tiny_target_dir),
                             ref_keys=64, num_draft_tokens=4))
     return out

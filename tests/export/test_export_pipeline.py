@@ -164,7 +164,7 @@ def test_mismatched_target_refused(tmp_path, tiny_target_dir):
     cfg["num_target_layers"] = 30
     (ck / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match="num_target_layers 30 vs target layers 4"):
-        run_export(ExportConfig(family="dflash", out=tmp_path / "e", checkpoint=ck, target=str(tiny_target_dir)))
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=tmp_path / "e", checkpoint=ck, target=str(tiny_target_dir)))
 
 
 def test_interrupted_export_leaves_nothing(tmp_path, tiny_target_dir, tiny_dflash_dir, tiny_engines, monkeypatch):
@@ -179,18 +179,18 @@ def test_interrupted_export_leaves_nothing(tmp_path, tiny_target_dir, tiny_dflas
     monkeypatch.setattr(validate, "validate_drafter", boom)
     out = tmp_path / "e"
     with pytest.raises(KeyboardInterrupt):
-        run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir)))
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir)))
     assert not out.exists() and list(tmp_path.iterdir()) == []
     shutil.copytree(tiny_engines, out)  # an existing, valid engines folder survives an interrupted re-export
     with pytest.raises(KeyboardInterrupt):
-        run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir)))
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir)))
     assert load_manifest(out)["query_scale"]["ref_keys"] == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
 
 
 def test_no_query_scale_export_is_frozen(tmp_path, tiny_target_dir, tiny_dflash_dir):
     out = tmp_path / "frozen"
-    m = run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+    m = run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
                                 query_scale=False))
     assert m["query_scale"]["enabled"] is False and m["query_scale"]["rewrite"]["beta_subgraphs"] == 0
     assert all(p["beta"] == 1.0 for p in m["validation"]["drafter"]["points"])
@@ -216,7 +216,7 @@ def _with_tokenizer(ck: Path, tokenizer, edit_id: int | None = None) -> Path:
 def test_case10_token_string_differs_export_refuses_naming_the_id(tmp_path, tiny_target_dir, tokenizer):
     ck = _with_tokenizer(write_tiny_dflash(tmp_path / "c"), tokenizer, edit_id=5)
     with pytest.raises(ExportError, match=r"differ at token id 5: drafter '<not_the_same>', target '<file_sep>'"):
-        run_export(ExportConfig(family="dflash", out=tmp_path / "e", checkpoint=ck, target=str(tiny_target_dir)))
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=tmp_path / "e", checkpoint=ck, target=str(tiny_target_dir)))
     assert not (tmp_path / "e").exists()
 
 

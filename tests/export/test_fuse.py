@@ -117,7 +117,7 @@ def test_export_cli_option_writes_and_validates_the_fused_graph(tmp_path, tiny_t
     from runtime.manifest import load_manifest
 
     out = tmp_path / "engines"
-    manifest = run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir,
+    manifest = run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir,
                                        target=str(tiny_target_dir), ref_keys=64, fused_attention=True))
     entry = manifest["graphs"]["drafter_fused"]
     assert entry["file"] == "drafter_fused/model.onnx" and entry["fused_attentions"] == 2

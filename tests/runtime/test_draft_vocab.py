@@ -55,7 +55,7 @@ def vocab_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir, tiny_engin
     shutil.copytree(tiny_dflash_dir, ckpt)
     (ckpt / "draft_vocab.json").write_text(json.dumps({"draft_ids": ids[:400], "source": "test"}))
     out = tmp_path_factory.mktemp("engines") / "engines"
-    run_export(ExportConfig(family="dflash", out=out, checkpoint=ckpt, target=str(tiny_target_dir), ref_keys=64,
+    run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=ckpt, target=str(tiny_target_dir), ref_keys=64,
                             verify_draft_tokens=2))
     return out, np.asarray(ids[:400])
 
@@ -114,7 +114,7 @@ def test_bad_vocab_file_fails_the_export(tmp_path, tiny_target_dir, tiny_dflash_
     shutil.copytree(tiny_dflash_dir, ckpt)
     (ckpt / "draft_vocab.json").write_text('{"draft_ids": [1, 1]}')
     with pytest.raises(ExportError, match="duplicates.*--full-vocab"):
-        run_export(ExportConfig(family="dflash", out=tmp_path / "out", checkpoint=ckpt, target=str(tiny_target_dir)))
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=tmp_path / "out", checkpoint=ckpt, target=str(tiny_target_dir)))
     assert not (tmp_path / "out").exists()
 
 
@@ -138,7 +138,7 @@ def test_verify_draft_tokens_above_the_drafter_is_refused(tmp_path, tiny_target_
     from export.pipeline import ExportConfig, ExportError, run_export
 
     with pytest.raises(ExportError, match="must be in 1..3"):
-        run_export(ExportConfig(family="dflash", out=tmp_path / "out", checkpoint=tiny_dflash_dir,
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=tmp_path / "out", checkpoint=tiny_dflash_dir,
                                 target=str(tiny_target_dir), verify_draft_tokens=4))
     with pytest.raises(ExportError, match=">= 1"):
         ExportConfig(family="dflash", out=tmp_path / "out", verify_draft_tokens=0)
