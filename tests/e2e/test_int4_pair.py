@@ -78,7 +78,8 @@ def test_one_token_path_equals_onnxruntime_genai(engine, int4_engines):
         ours = engine.generate_target_only(ids, 24)
     finally:
         engine.target.min_q = saved
-    assert ours.token_ids == theirs[: len(ours.token_ids)]
+    got = [t for t in ours.token_ids if t not in engine.eos_token_ids]  # min_length keeps ORT GenAI off EOS
+    assert len(got) >= 8 and got == theirs[: len(got)]
 
 
 def test_serve_answers_completions_on_the_int4_folder(int4_engines, engine):
