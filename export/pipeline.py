@@ -382,6 +382,7 @@ def run_export(cfg: ExportConfig) -> dict:
         manifest = _manifest(cfg, ckpt, entry, target, tok, profile, profile_source, counts, shared, validation,
                              graphs)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _honour_umask(tmp)
         _replace_dir(tmp, cfg.out)
         return manifest
     finally:
@@ -433,15 +434,74 @@ def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, emb
     return entry
 
 
-def _replace_dir(new: Path, out: Path) -> None:
-    """Move ``new`` to ``out``; an existing ``out`` is swapped aside first and removed only after the rename."""
-    old = None
-    if out.exists():
+def _honour_umask(root: Path) -> None:
+    """Give the written folder the modes the umask allows (``tempfile.mkdtemp`` makes 0700 folders and some graph
+    writers 0600 files, which a server or Triton running as another user could not read)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for dirpath, _, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _extra_files(folder: Path) -> list[str]:
+    """Files of an engines folder that its manifest does not account for (put there by someone else)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        known = {MANIFEST, *(rel for g in manifest.get("graphs", {}).values() for rel in g.get("sha256", {}))}
+        tok_dir = manifest.get("tokenizer", {}).get("dir", "tokenizer")
+    except (OSError, ValueError, AttributeError):
+        known, tok_dir = {MANIFEST}, "tokenizer"
+    out = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and rel not in known and not rel.startswith(f"{tok_dir}/"):
+            out.append(rel)
+    return out
+
+
+def _replace_dir(new: Path, out: Path) -> dict:
+    """Move the finished folder ``new`` to ``out``. An existing ``out`` is swapped with it in one atomic exchange
+    (the path never goes missing for a server reading it), or, where the system has no exchange, moved aside just
+    before. Returns what was replaced: ``{"replaced": bool, "exchange": bool, "extra_files": [...], "kept_at"}``;
+    files the old folder held beyond its own export are never deleted: that folder is kept at
+    ``.<name>.previous`` (replacing an older one) and the files are listed in a warning."""
+    if not out.exists():
+        os.replace(new, out)
+        return {"replaced": False, "exchange": False, "extra_files": [], "kept_at": None}
+    extra = _extra_files(out)
+    exchanged = _exchange(new, out)
+    if exchanged:
+        old = new  # now holds the previous folder
+    else:
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
-    os.replace(new, out)
-    if old is not None:
+        os.replace(new, out)
+    kept = None
+    if extra:
+        kept = out.with_name(f".{out.name}.previous")
+        shutil.rmtree(kept, ignore_errors=True)
+        os.replace(old, kept)
+        log.warning("replaced %s; its %d file(s) not written by sharpdraft-export (%s) are kept in %s", out,
+                    len(extra), ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""), kept)
+    else:
         shutil.rmtree(old, ignore_errors=True)
+        log.info("replaced the previous engines folder %s%s", out, "" if exchanged else " (two renames: this "
+                 "file system cannot exchange paths atomically)")
+    return {"replaced": True, "exchange": exchanged, "extra_files": extra, "kept_at": str(kept) if kept else None}
 
 
 def _verify_default(drafter) -> int | None:

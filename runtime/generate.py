@@ -63,7 +63,8 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "
                f"draft position: {[round(a, 2) for a in s.acceptance_per_position]}")
     click.echo(f"speculative: {s.tokens_per_s:.1f} tokens/s (draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s)")
-    click.echo(f"target-only: {b.tokens_per_s:.1f} tokens/s")
+    precision = engine.manifest["target"].get("precision", "fp32")
+    click.echo(f"target-only: {b.tokens_per_s:.1f} tokens/s (the same {precision} target graph, no drafter)")
     click.echo(f"speedup over target-only: {speedup:.2f}x")
     lossless = spec.token_ids == base.token_ids
     click.echo(f"lossless (speculative ids == target-only greedy ids): {lossless}")

@@ -104,6 +104,7 @@ class StaticKVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype=np.float32) -> None:
         self.kv_buffers = [np.zeros((1, kv_heads, 0, head_dim), dtype) for _ in range(2 * num_layers)]
         self.length = 0
+        self.binding = None  # (key, ONNX Runtime IOBinding of these buffers), owned by the graph that binds them
 
     @property
     def capacity(self) -> int:

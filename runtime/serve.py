@@ -55,6 +55,7 @@ class _Common(BaseModel):
     stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
     logprobs: int | bool | None = None
+    top_logprobs: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -103,15 +104,21 @@ class ChatRequest(_Common):
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
                         headers=headers)
 
 
-def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", default_max_tokens: int = 16) -> FastAPI:
+MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt of the target's context (8k tokens are ~40 kB of text)
+
+
+def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", default_max_tokens: int = 16,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Build the app around a started-or-not :class:`AsyncEngine` (the app starts and stops its worker).
 
-    Raises nothing itself; request errors become OpenAI-style error objects (400 / 404 / 429 / 500).
+    ``max_body_bytes``: larger request bodies are refused with 413 before they are read.
+    Raises nothing itself; request errors become OpenAI-style error objects (400 / 404 / 413 / 429 / 500).
     """
     from contextlib import asynccontextmanager
 
@@ -143,7 +150,12 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
 
     @app.middleware("http")
     async def count_responses(request: Request, call_next):
-        response = await call_next(request)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            response = _error(413, f"request body of {int(length)} bytes exceeds the server's limit of "
+                                   f"{max_body_bytes} bytes; send a shorter prompt")
+        else:
+            response = await call_next(request)
         endpoint = ENDPOINTS.get(request.url.path)
         if endpoint is not None:  # every answer of the API endpoints, by status (streams: their 200 at start)
             metrics.request_done(endpoint, response.status_code)
@@ -170,6 +182,9 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
             ("n > 1", req.n > 1), ("logprobs", req.logprobs not in (None, False)),
             ("frequency_penalty", req.frequency_penalty != 0), ("presence_penalty", req.presence_penalty != 0),
             ("logit_bias", bool(req.logit_bias)), ("best_of > 1", (getattr(req, "best_of", None) or 1) > 1)) if bad]
+        if req.top_logprobs is not None and req.logprobs in (None, False, 0):
+            raise HTTPException(400, f"top_logprobs ({req.top_logprobs}) needs logprobs: true (OpenAI chat "
+                                     "semantics); set logprobs or remove top_logprobs")
         if unsupported:
             raise HTTPException(400, f"{', '.join(unsupported)}: not supported by this server; remove it")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -188,28 +203,39 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
         return {"speculative": params.speculative,
                 "query_scale": bool(params.query_scale and params.speculative and qs.get("enabled", False))}
 
-    def submit(ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(ids: list[int], params: SamplingParams, max_tokens_field: str | None) -> RequestStream:
+        """Queue the request; 429 at capacity, 400 for a request the engine refuses (its message names the
+        request's own field, ``max_tokens_field``, or says the server default applied)."""
         try:
             return async_engine.submit(ids, params)
         except QueueFull as e:
             raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
         except ValueError as e:
-            raise HTTPException(400, str(e)) from e
+            n = params.max_new_tokens
+            label = (f"{max_tokens_field} ({n})" if max_tokens_field else
+                     f"max_tokens ({n}: not sent, the server's default)")
+            raise HTTPException(400, str(e).replace(f"max_new_tokens ({n})", label).replace(
+                "lower max_new_tokens", f"lower {max_tokens_field or 'max_tokens'}")) from e
 
     async def collect(request: Request, stream: RequestStream):
-        """Wait for the result; abort the request if the client goes away first."""
+        """Wait for the result; abort the request if the client goes away first.
+
+        The connection is checked every ``DISCONNECT_POLL_S`` seconds whether or not tokens keep arriving (a busy
+        request emits an event every step, so checking only on a quiet poll would never notice the hang-up)."""
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         while True:
             event = await stream.next_event(DISCONNECT_POLL_S)
-            if event is None:
+            if event is not None:
+                if event.error is not None:
+                    raise HTTPException(500, event.error)
+                if event.result is not None:
+                    return event.result
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     stream.abort()
                     metrics.aborted.labels(ENDPOINTS.get(request.url.path, "other")).inc()
                     return None
-                continue
-            if event.error is not None:
-                raise HTTPException(500, event.error)
-            if event.result is not None:
-                return event.result
 
     def usage(prompt_len: int, n: int) -> dict:
         return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
@@ -221,7 +247,8 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
                   make_body, make_chunk, prefix: str = ""):
         if not ids:
             raise HTTPException(400, "prompt encodes to zero tokens; give a non-empty prompt")
-        stream = submit(ids, params)
+        stream = submit(ids, params, next((f for f in ("max_completion_tokens", "max_tokens")
+                                           if getattr(req, f, None) is not None), None))
         rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if not req.stream:

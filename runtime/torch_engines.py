@@ -320,7 +320,7 @@ def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, 
 
     Raises:
         EngineDirError: a recorded source is missing or cannot be loaded, or does not match the manifest (the
-            message names the source and how to fix it).
+            message names the source and how to fix it); a quantized (int4 / int8) target folder.
     """
     from runtime.manifest import EngineDirError
     from runtime.models.dflash import CheckpointError
@@ -329,6 +329,10 @@ def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, 
     drafter_info, target_info = manifest["drafter"], manifest["target"]
     if drafter_info.get("family", "dflash") != "dflash":
         raise EngineDirError(f"the torch backend runs DFlash drafters only, this folder has {drafter_info['family']!r}")
+    if target_info.get("precision", "fp32") != "fp32":
+        raise EngineDirError(f"this folder's target is {target_info['precision']} (ONNX Runtime GenAI's builder "
+                             "graph); the torch backend rebuilds the fp32 target from its source, another model: "
+                             "use --backend onnxruntime, or export with --target-precision fp32 for the torch backend")
     source = target_info.get("source") or DEFAULT_TARGET
     if source != DEFAULT_TARGET:
         cand = Path(source)

@@ -74,10 +74,33 @@ def time_threads(engine_dir: Path, manifest: dict, ids: list[int], settings: lis
             for (t, sp), v in times.items()}
 
 
+DRAFTER_QUANT = ("dynamic-int8", "nbits8", "nbits4")
+
+
+def quantize_drafter_graph(src: Path, dst: Path, method: str) -> None:
+    """Quantize a drafter graph's constant MatMul weights: ``dynamic-int8`` (``quantize_dynamic``, int8 per tensor)
+    or ``nbits8`` / ``nbits4`` (``MatMulNBitsQuantizer``: weight-only 8 / 4-bit, block 32, symmetric, int8
+    activations, as the builder's target). Weights fed as graph inputs (the borrowed LM head) stay float; the beta
+    nodes are untouched (they multiply the query, not a weight)."""
+    if method == "dynamic-int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+        return
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    bits = {"nbits8": 8, "nbits4": 4}[method]
+    q = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=DefaultWeightOnlyQuantConfig(
+        block_size=32, is_symmetric=True, accuracy_level=4, bits=bits))
+    q.process()
+    q.model.save_model_to_file(str(dst), use_external_data_format=True)
+
+
 def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], positions: int, rounds: int,
-                      work: Path) -> dict:
-    """The drafter graph with int8 weights (ONNX Runtime's ``quantize_dynamic``: MatMul weights int8 per tensor,
-    activations quantized at run time) against the exported fp32 graph, on real features of ``ids``.
+                      work: Path, method: str = "dynamic-int8") -> dict:
+    """The drafter graph with quantized weights (:func:`quantize_drafter_graph` ``method``) against the exported
+    float graph, on real features of ``ids``.
 
     Both drafters draft at each of the last ``positions`` positions of the prompt (the target's own taps as
     context, as in the loop); reported: median draft-call ms of each, interleaved, and how often the int8 graph
@@ -85,11 +108,9 @@ def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], position
     """
     import shutil
 
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
     from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
 
-    q_dir = work / "int8-engines"
+    q_dir = work / f"{method}-engines"
     shutil.rmtree(q_dir, ignore_errors=True)
     (q_dir / "drafter").mkdir(parents=True)
     for name in ("target", "tokenizer", "manifest.json"):
@@ -98,8 +119,7 @@ def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], position
     for f in src.parent.iterdir():
         if f.suffix == ".json":
             shutil.copyfile(f, q_dir / "drafter" / f.name)
-    quantize_dynamic(str(src), str(q_dir / manifest["graphs"]["drafter"]["file"]), weight_type=QuantType.QInt8,
-                     op_types_to_quantize=["MatMul"])
+    quantize_drafter_graph(src, q_dir / manifest["graphs"]["drafter"]["file"], method)
     drafters = {"fp32": OrtDFlashDrafter(engine_dir, manifest, "cpu", None),
                 "int8": OrtDFlashDrafter(q_dir, manifest, "cpu", None)}
     size = {name: sum(f.stat().st_size for f in (d / "drafter").iterdir() if not f.suffix == ".json")
@@ -123,7 +143,8 @@ def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], position
             same_first += int(tokens["fp32"][0] == tokens["int8"][0])
             same_all += int((tokens["fp32"] == tokens["int8"]).all())
     n = rounds * positions
-    return {"draft_ms": {name: round(1000 * statistics.median(v), 3) for name, v in times.items()},
+    return {"method": method,
+            "draft_ms": {name: round(1000 * statistics.median(v), 3) for name, v in times.items()},
             "same_slot1": round(same_first / n, 4), "same_all_slots": round(same_all / n, 4), "positions": n,
             "drafter_bytes": size}
 
@@ -240,10 +261,14 @@ def _plot(result: dict, out: Path) -> Path:
               help="skip the thread and prefill timings (run only --compare-engine and/or --int8-drafter)")
 @click.option("--int8-drafter", is_flag=True,
               help="also time the drafter graph with int8 weights (onnxruntime.quantization) against fp32")
+@click.option("--drafter-quant", type=click.Choice(DRAFTER_QUANT), default="dynamic-int8", show_default=True,
+              help="how --int8-drafter quantizes: quantize_dynamic, or MatMulNBits 8 / 4 bit (block 32, int8 "
+                   "activations)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/settings"),
               show_default=True)
 def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: int, rounds: int,
-         compare_engine: Path | None, kv_contexts: str, skip_threads: bool, int8_drafter: bool, out: Path) -> None:
+         compare_engine: Path | None, kv_contexts: str, skip_threads: bool, int8_drafter: bool, drafter_quant: str,
+         out: Path) -> None:
     """Time ONNX Runtime thread / spinning settings and prefill chunk sizes on an engines folder."""
     from runtime.manifest import load_manifest
     from scripts.bench_long_context import _prompts
@@ -267,7 +292,7 @@ def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: in
     out.mkdir(parents=True, exist_ok=True)
     if int8_drafter:
         result["int8_drafter"] = time_int8_drafter(engine_dir, manifest, ids[-context:], 32, max(1, rounds // 5),
-                                                   out)
+                                                   out, drafter_quant)
     name = ("bench_settings.json" if not skip_threads else "bench_kv_forms.json" if compare_engine is not None
             else "bench_int8_drafter.json")
     (out / name).write_text(json.dumps(result, indent=1))

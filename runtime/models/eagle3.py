@@ -237,12 +237,55 @@ def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_vocab_maps(path: Path, d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> None:
+    """Refuse draft-vocabulary maps that would draft the wrong tokens (EAGLE-3 checkpoint format: target id =
+    draft id + ``d2t[draft id]``; ``t2d[target id]`` marks the covered target ids).
+
+    Args:
+        d2t: ``[draft_vocab]`` integer offsets; t2d: ``[vocab]`` bool (or 0/1) or None (rebuilt by the caller).
+    Raises:
+        CheckpointError: naming the first bad id: a draft id mapped outside [0, vocab_size); two draft ids mapped
+            to one target id; a shipped ``t2d`` of the wrong length or that disagrees with ``d2t`` (a target id
+            ``d2t`` maps to but ``t2d`` leaves out, or one ``t2d`` marks that no draft id maps to).
+    """
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise CheckpointError(f"{path}: d2t must be a 1-D integer tensor, got {d2t.dtype} {list(d2t.shape)}")
+    targets = torch.arange(d2t.numel()) + d2t.long()
+    bad = ((targets < 0) | (targets >= vocab_size)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise CheckpointError(f"{path}: d2t maps draft id {i} to target id {int(targets[i])}, outside the target "
+                              f"vocabulary [0, {vocab_size}) ({bad.numel()} such ids); the checkpoint was built for "
+                              "another tokenizer or its d2t is corrupt")
+    uniq, counts = torch.unique(targets, return_counts=True)
+    if (counts > 1).any():
+        t = int(uniq[counts > 1][0])
+        ids = (targets == t).nonzero().flatten()[:3].tolist()
+        raise CheckpointError(f"{path}: d2t maps draft ids {ids} to the same target id {t}; each draft id must map "
+                              "to its own target id")
+    if t2d is None:
+        return
+    if t2d.dim() != 1 or t2d.numel() != vocab_size:
+        raise CheckpointError(f"{path}: t2d has shape {list(t2d.shape)}, expected [{vocab_size}] (the target "
+                              "vocabulary); drop it to have it rebuilt from d2t")
+    covered = torch.zeros(vocab_size, dtype=torch.bool)
+    covered[targets] = True
+    marked = t2d.bool()
+    missing = (covered & ~marked).nonzero().flatten()
+    extra = (marked & ~covered).nonzero().flatten()
+    if missing.numel() or extra.numel():
+        what = (f"target id {int(missing[0])} is mapped by d2t but not marked in t2d" if missing.numel() else
+                f"target id {int(extra[0])} is marked in t2d but no draft id maps to it")
+        raise CheckpointError(f"{path}: t2d disagrees with d2t ({what}; {missing.numel() + extra.numel()} ids "
+                              "differ); drop t2d to have it rebuilt from d2t")
+
+
 def load_eagle3(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
     """Load an EAGLE-3 checkpoint folder (``config.json`` + ``*.safetensors`` or ``pytorch_model.bin``) strictly.
 
     Raises:
         CheckpointError: folder / config / weights missing or unreadable; keys missing or unexpected (listed);
-            shapes not matching the config; ``d2t`` mapping a draft id outside the target vocabulary.
+            shapes not matching the config; bad ``d2t`` / ``t2d`` maps (:func:`check_vocab_maps`).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -268,14 +311,13 @@ def load_eagle3(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Eagl
         raise CheckpointError(f"{path}: no *.safetensors or pytorch_model.bin weights next to config.json")
     state = _normalise_keys(state)
     model = Eagle3Drafter(cfg, with_embedding="embed_tokens.weight" in state)
+    if "d2t" in state:  # before any use of it: the t2d rebuild below indexes with it
+        check_vocab_maps(path, state["d2t"], state.get("t2d"), cfg.vocab_size)
     if "t2d" not in state and "d2t" in state:
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[torch.arange(cfg.draft_vocab_size) + state["d2t"].long()] = True
         state["t2d"] = t2d
     check_state(path, model.state_dict(), state)
-    targets = torch.arange(cfg.draft_vocab_size) + state["d2t"].long()
-    if targets.min() < 0 or targets.max() >= cfg.vocab_size:
-        raise CheckpointError(f"{path}: d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})")
     state["d2t"] = state["d2t"].long()
     state["t2d"] = state["t2d"].bool()
     model.load_state_dict(state, strict=True)

@@ -115,12 +115,27 @@ class PardDrafter(nn.Module):
         return logits, present
 
 
+def sliding_layers(raw: dict) -> list[int]:
+    """Indices of the layers a transformers config (``config.json`` as a dict) makes sliding-window: those whose
+    ``layer_types`` entry is ``sliding_attention``, or every layer when ``use_sliding_window`` is true (Qwen2 /
+    Qwen3) or the model type always windows (Mistral) and ``sliding_window`` is set."""
+    n = int(raw.get("num_hidden_layers") or 0)
+    types = raw.get("layer_types")
+    if isinstance(types, list) and types:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    window = raw.get("sliding_window")
+    if window and (raw.get("use_sliding_window") or raw.get("model_type") in ("mistral", "mixtral")):
+        return list(range(n))
+    return []
+
+
 def load_pard(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PardDrafter:
     """Load a PARD checkpoint folder (``config.json`` + ``*.safetensors``) strictly.
 
     Raises:
-        CheckpointError: folder / config / weights missing or unreadable, no ``pard_token``, an architecture
-            transformers cannot build, keys missing or unexpected (listed), shapes not matching the config.
+        CheckpointError: folder / config / weights missing or unreadable, no ``pard_token``, sliding-window
+            layers (not supported yet), an architecture transformers cannot build, keys missing or unexpected
+            (listed), shapes not matching the config.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -134,6 +149,12 @@ def load_pard(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PardDr
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from e
     pard_token = pard_token_of(raw)
+    sliding = sliding_layers(raw)
+    if sliding:
+        raise CheckpointError(f"{cfg_file}: {len(sliding)} sliding-window layer(s) (layers {sliding[:6]}, "
+                              f"sliding_window {raw.get('sliding_window')}): sharpdraft cannot run PARD drafters with "
+                              "sliding-window attention yet (the window would be dropped and N not capped per "
+                              "layer); use a checkpoint whose layers are all full_attention")
     borrow = raw.get("sharpdraft_embeddings") == "target"
     model_type = raw.get("model_type")
     try:

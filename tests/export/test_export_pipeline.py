@@ -1,6 +1,7 @@
 """sharpdraft-export on the tiny pair: manifest contents, in-graph beta at several N, CLI errors, atomicity."""
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +228,69 @@ def test_padding_rows_only_are_accepted(tmp_path, tokenizer):
     check_vocabulary(ck, 49152 + 128, 49152, tokenizer)  # same tokens, 128 padding rows: fine
     with pytest.raises(ExportError, match="drafter vocab_size 32000 is smaller"):
         check_vocabulary(ck, 32000, 49152, tokenizer)
+
+
+def test_exported_folder_honours_the_umask(tmp_path, tiny_target_dir, tiny_dflash_dir):
+    """Folders used to be 0700 (tempfile.mkdtemp) whatever the umask: another user's server could not read them."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "e"
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir,
+                                target=str(tiny_target_dir), ref_keys=64))
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
+    assert modes["."] == 0o755 and modes["target"] == 0o755
+    assert all(m == 0o644 for rel, m in modes.items() if (out / rel).is_file()), modes
+
+
+def test_replacing_a_folder_keeps_extra_files_and_says_so(tmp_path, tiny_engines, tiny_target_dir, tiny_dflash_dir,
+                                                         caplog):
+    out = tmp_path / "e"
+    shutil.copytree(tiny_engines, out)
+    (out / "NOTES.md").write_text("my notes")
+    (out / "target" / "profile.json").write_text("{}")
+    with caplog.at_level("INFO", logger="sharpdraft.export"):
+        run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir,
+                                target=str(tiny_target_dir), ref_keys=32))
+    assert load_manifest(out)["query_scale"]["ref_keys"] == 32 and not (out / "NOTES.md").exists()
+    kept = tmp_path / ".e.previous"
+    assert (kept / "NOTES.md").read_text() == "my notes" and (kept / "target" / "profile.json").is_file()
+    assert "NOTES.md, target/profile.json" in caplog.text and str(kept) in caplog.text
+
+
+def test_replacing_a_folder_never_leaves_the_path_missing(tmp_path):
+    """The swap is one atomic exchange: a reader polling the path never finds it gone (it used to be renamed
+    away and then replaced, two steps)."""
+    import threading
+
+    from export.pipeline import _replace_dir
+
+    out = tmp_path / "engines"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    missing, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            if not out.is_dir():
+                missing.append(1)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        reports = []
+        for i in range(100):
+            new = tmp_path / f".engines.tmp-{i}"
+            new.mkdir()
+            (new / "manifest.json").write_text(json.dumps({"i": i}))
+            reports.append(_replace_dir(new, out))
+    finally:
+        stop.set()
+        t.join()
+    if not all(r["exchange"] for r in reports):
+        pytest.skip("this file system has no atomic exchange (renameat2); the two-rename fallback was used")
+    assert not missing and json.loads((out / "manifest.json").read_text()) == {"i": 99}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines"]

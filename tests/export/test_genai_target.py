@@ -144,3 +144,10 @@ def test_bad_precision_options_are_refused_before_any_work(tmp_path):
         ExportConfig(family="dflash", out=tmp_path / "e", target_precision="int4", target_kv_io="concat")
     with pytest.raises(ExportError, match="--accuracy-level"):
         ExportConfig(family="dflash", out=tmp_path / "e", accuracy_level=7)
+
+
+def test_torch_backend_refuses_a_quantized_folder(int4_engines):
+    from runtime.manifest import EngineDirError
+
+    with pytest.raises(EngineDirError, match="torch backend rebuilds the fp32 target"):
+        SpecEngine.from_dir(int4_engines, backend="torch")

@@ -104,6 +104,55 @@ def test_row_beta_is_per_query_row():
     assert beta[3].item() == pytest.approx(prof.beta(42), rel=1e-6)
 
 
+def _without_t2d_out_of_range(cfg, st):
+    st.pop("t2d")
+    st["d2t"][7] += V  # draft id 7 -> a target id past the vocabulary; the t2d rebuild used to IndexError here
+
+
+def _duplicate(cfg, st):
+    st["d2t"][3] = st["d2t"][2] + 2 - 3  # draft ids 2 and 3 -> one target id
+
+
+def _t2d_disagrees(cfg, st):
+    covered = (torch.arange(VD) + st["d2t"])[0]
+    st["t2d"][covered] = False
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (_without_t2d_out_of_range, r"draft id 7 to target id \d+, outside the target vocabulary"),
+    (_duplicate, r"draft ids \[2, 3\] to the same target id"),
+    (_t2d_disagrees, r"t2d disagrees with d2t \(target id \d+ is mapped by d2t but not marked"),
+    (lambda cfg, st: st.update({"t2d": st["t2d"][:-1]}), r"t2d has shape \[199\], expected \[200\]"),
+    (lambda cfg, st: st.update({"d2t": st["d2t"].float()}), "1-D integer tensor"),
+])
+def test_bad_draft_vocabulary_maps_name_the_bad_id(tmp_path, mutate, match):
+    cfg, st = _config(), _state()
+    mutate(cfg, st)
+    with pytest.raises(CheckpointError, match=match):
+        load_eagle3(_write(tmp_path / "b", cfg, st))
+
+
+def test_a_bad_d2t_ends_sharpdraft_export_with_one_error_line(tmp_path, tiny_target_dir):
+    import subprocess
+    import sys
+
+    from tests.conftest import write_tiny_eagle3
+
+    ck = write_tiny_eagle3(tmp_path / "ck", tiny_target_dir)
+    from safetensors.torch import load_file
+
+    st = load_file(str(ck / "model.safetensors"))
+    st.pop("t2d", None)
+    st["d2t"] = st["d2t"].clone()
+    st["d2t"][5] = 10 ** 6
+    save_file(st, ck / "model.safetensors")
+    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "eagle3", "--checkpoint", str(ck),
+                        "--target", str(tiny_target_dir), "--out", str(tmp_path / "e")], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("sharpdraft-export: error:") and "draft id 5" in last
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda cfg, st: st.pop("midlayer.hidden_norm.weight"), "missing"),
     (lambda cfg, st: st.update({"d2t": st["d2t"] + V}), "outside the target vocabulary"),

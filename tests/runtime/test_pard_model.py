@@ -97,3 +97,30 @@ def test_bad_checkpoints_are_refused_clearly(tmp_path, mutate, match):
     save_file(state, tmp_path / "b" / "model.safetensors")
     with pytest.raises(CheckpointError, match=match):
         load_pard(tmp_path / "b")
+
+
+@pytest.mark.parametrize("extra, layers", [
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}, "[0]"),
+    ({"use_sliding_window": True, "sliding_window": 64}, "[0, 1]"),
+])
+def test_sliding_window_pard_is_refused_with_one_clear_error(tmp_path, tiny_target_dir, extra, layers):
+    """Sliding-window layers used to crash sharpdraft-export inside torch.export (a 149-line traceback)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import write_tiny_pard
+
+    ck = write_tiny_pard(tmp_path / "ck", tiny_target_dir)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(extra)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "pard", "--checkpoint", str(ck),
+                        "--target", str(tiny_target_dir), "--out", str(tmp_path / "e")], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("sharpdraft-export: error:") and "sliding-window" in last and f"layers {layers}" in last
+    assert not (tmp_path / "e").exists()
+    # a window the config switches off (Qwen2's use_sliding_window false) is a full-attention checkpoint
+    from runtime.models.pard import sliding_layers
+
+    assert sliding_layers({"num_hidden_layers": 2, "sliding_window": 4096, "use_sliding_window": False}) == []

@@ -151,6 +151,26 @@ def test_bad_chat_requests(client, payload, needle):
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
+def test_position_limit_errors_name_the_field_the_client_sent(client):
+    long = [1] * 4090  # the tiny target has 4096 positions
+    r = client.post("/v1/completions", json={"prompt": long})  # max_tokens not sent: the server default applies
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "max_tokens (16: not sent, the server's default)" in msg
+    assert "max_new_tokens" not in msg
+    r = client.post("/v1/completions", json={"prompt": long, "max_tokens": 9})
+    assert "max_tokens (9)" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 4090}],
+                                                  "max_completion_tokens": 7})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "max_completion_tokens (7)" in msg and "lower max_completion_tokens" in msg
+
+
+def test_top_logprobs_without_logprobs_is_refused(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "top_logprobs": 3})
+    assert r.status_code == 400 and "top_logprobs (3) needs logprobs: true" in r.json()["error"]["message"]
+
+
 def test_seeded_sampling_is_reproducible(client):
     body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 7}
     a, b = client.post("/v1/completions", json=body).json(), client.post("/v1/completions", json=body).json()
@@ -349,3 +369,38 @@ def test_errors_are_openai_shaped_and_counted_per_endpoint(client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_client_disconnect_mid_generation_non_streaming_frees_the_slot(engine):
+    """A real uvicorn server: a NON-streaming client gives up (read timeout) while its long request runs; the
+    request is aborted within a poll interval or two (slot and caches freed, counted), and the next request's
+    output equals its solo target-only run."""
+    import uvicorn
+
+    ref = engine.generate_target_only(engine.tokenizer.encode("def add(a, b):"), 12)  # before the worker owns it
+    aeng = AsyncEngine(engine, max_running=1, max_waiting=0)
+    app = create_app(aeng, "tiny")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_healthy(url, 30)
+        with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 1 s; generation would take far longer
+            httpx.post(url + "/v1/completions", timeout=httpx.Timeout(30, read=1.0),
+                       json={"prompt": "Once upon a time", "max_tokens": 3500, "ignore_eos": True, **GREEDY})
+        t0 = time.monotonic()
+        while aeng.num_running and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        assert aeng.num_running == 0 and not engine.sequences, "the abandoned request kept its slot"
+        assert time.monotonic() - t0 < 2.0
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 12, **GREEDY},
+                        timeout=30)
+        assert ok.status_code == 200  # max_running 1: the slot really came back
+        assert ok.json()["choices"][0]["text"] == engine.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'sharpdraft_requests_aborted_total{endpoint="completions"} 1.0' in metrics
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -73,13 +75,15 @@ def test_bench_settings_compares_kv_forms(tiny_engines, concat_engines, tmp_path
                 assert 0 < t[key + "_ort"] <= t[key]
 
 
-def test_bench_settings_int8_drafter(tiny_engines, tmp_path):
+@pytest.mark.parametrize("method", ["dynamic-int8", "nbits4"])
+def test_bench_settings_int8_drafter(tiny_engines, tmp_path, method):
     out = tmp_path / "int8"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_settings.py"), "--engine", str(tiny_engines),
-                        "--context", "64", "--skip-threads", "--int8-drafter", "--rounds", "5", "--out", str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+                        "--context", "64", "--skip-threads", "--int8-drafter", "--drafter-quant", method,
+                        "--rounds", "5", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "bench_int8_drafter.json").read_text())["int8_drafter"]
+    assert res["method"] == method
     assert res["positions"] == 32 and set(res["draft_ms"]) == {"fp32", "int8"}
     assert all(v > 0 for v in res["draft_ms"].values())
     assert 0 <= res["same_all_slots"] <= res["same_slot1"] <= 1
