@@ -110,6 +110,33 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
                         headers=headers)
 
 
+class _ResponseGate:
+    """ASGI middleware: refuses bodies over ``max_body_bytes`` (by Content-Length) with 413, and counts every answer
+    of the API endpoints by status (streams: their 200 at start) in ``metrics``."""
+
+    def __init__(self, app, metrics: ServerMetrics, max_body_bytes: int):
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = ENDPOINTS.get(scope["path"])
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            if endpoint is not None:
+                self.metrics.request_done(endpoint, 413)
+            response = _error(413, f"request body of {int(length)} bytes exceeds the server's limit of "
+                                   f"{self.max_body_bytes} bytes; send a shorter prompt")
+            return await response(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start" and endpoint is not None:
+                self.metrics.request_done(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt of the target's context (8k tokens are ~40 kB of text)
 
 
@@ -148,18 +175,9 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
     async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
-    @app.middleware("http")
-    async def count_responses(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            response = _error(413, f"request body of {int(length)} bytes exceeds the server's limit of "
-                                   f"{max_body_bytes} bytes; send a shorter prompt")
-        else:
-            response = await call_next(request)
-        endpoint = ENDPOINTS.get(request.url.path)
-        if endpoint is not None:  # every answer of the API endpoints, by status (streams: their 200 at start)
-            metrics.request_done(endpoint, response.status_code)
-        return response
+    # a pure ASGI middleware: Starlette's BaseHTTPMiddleware (``@app.middleware``) wraps ``receive``, and the
+    # handlers' request.is_disconnected() then never sees a non-streaming client hang up
+    app.add_middleware(_ResponseGate, metrics=metrics, max_body_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict:

@@ -254,8 +254,8 @@ def test_replacing_a_folder_keeps_extra_files_and_says_so(tmp_path, tiny_engines
     (out / "target" / "profile.json").write_text("{}")
     with caplog.at_level("INFO", logger="sharpdraft.export"):
         run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir,
-                                target=str(tiny_target_dir), ref_keys=32))
-    assert load_manifest(out)["query_scale"]["ref_keys"] == 32 and not (out / "NOTES.md").exists()
+                                target=str(tiny_target_dir), ref_keys=48))
+    assert load_manifest(out)["query_scale"]["ref_keys"] == 48 and not (out / "NOTES.md").exists()
     kept = tmp_path / ".e.previous"
     assert (kept / "NOTES.md").read_text() == "my notes" and (kept / "target" / "profile.json").is_file()
     assert "NOTES.md, target/profile.json" in caplog.text and str(kept) in caplog.text
