@@ -87,8 +87,12 @@ def quantize_drafter_graph(src: Path, dst: Path, method: str) -> None:
 
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
         return
+    import logging
+
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
 
     bits = {"nbits8": 8, "nbits4": 4}[method]
     q = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=DefaultWeightOnlyQuantConfig(
