@@ -26,11 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import numpy as np
 
 log = logging.getLogger("sharpdraft.export")
 
@@ -70,7 +69,7 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
         tap_ids: sharpdraft tap ids (``hidden_states[id + 1]``); [] = no ``aux_hidden_states`` output.
         accuracy_level: MatMulNBits activation precision (4 = int8, 1 = fp32).
     Raises:
-        GenaiBuildError: onnxruntime-genai missing, the builder failed (the tail of its log is quoted), or the
+        GenaiBuildError: onnxruntime-genai missing, the builder failed (its error line is quoted), or the
             graph lacks an expected input/output.
     """
     if precision not in ("int4", "int8"):
@@ -97,8 +96,6 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
         raise GenaiBuildError(f"the ONNX Runtime GenAI model builder could not build a {precision} graph of "
                               f"{hf_dir} (exit {proc.returncode}: {cause}); use --target-precision fp32 for "
                               "architectures the builder does not support")
-    import shutil
-
     shutil.rmtree(cache, ignore_errors=True)
     return graph_io(out_dir / "model.onnx", num_layers, bool(aux), precision, accuracy_level,
                     builder_options=extra)
