@@ -442,9 +442,11 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
     if threads:
         torch.set_num_threads(threads)
     num_draft_tokens = None
+    precision = None  # --write-engine: the default precision, or the --engine folder's own
     if engine is not None:
         family, checkpoint, target_src, manifest = _engine_sources(engine)
         target = target or target_src
+        precision = manifest["target"].get("precision", "fp32")  # folders before precisions existed were fp32
         if family == "pard":  # keep the folder's K
             num_draft_tokens = manifest["drafter"].get("num_draft_tokens")
     if family is None or checkpoint is None:
@@ -488,11 +490,12 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
     click.echo(f"wrote {out_dir / 'calibration.json'} and {', '.join(p.name for p in paths)}")
     click.echo(json.dumps(fitted))
     if write_engine is not None:
-        from export.pipeline import ExportConfig, run_export
+        from export.pipeline import DEFAULT_TARGET_PRECISION, ExportConfig, run_export
 
         run_export(ExportConfig(family=family, out=write_engine, checkpoint=Path(checkpoint), target=target,
                                 ref_keys=fitted["ref_keys"], slope=fitted["slope"], cap=fitted["cap"],
-                                num_draft_tokens=num_draft_tokens))
+                                num_draft_tokens=num_draft_tokens,
+                                target_precision=precision or DEFAULT_TARGET_PRECISION))
         click.echo(f"re-exported {write_engine} with the fitted profile")
 
 

@@ -113,6 +113,7 @@ def test_cli_writes_plots_and_reexports_with_fitted_profile(tiny_engines, tmp_pa
     assert manifest["query_scale"]["ref_keys"] == fitted["ref_keys"]
     assert manifest["query_scale"]["cap"] == pytest.approx(fitted["cap"])
     assert manifest["query_scale"]["slope"] == pytest.approx(fitted["slope"])
+    assert manifest["target"]["precision"] == "fp32"  # the --engine folder's own precision is kept
 
 
 def test_cli_refuses_bad_grid(tiny_engines, tmp_path):
