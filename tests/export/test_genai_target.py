@@ -151,3 +151,20 @@ def test_torch_backend_refuses_a_quantized_folder(int4_engines):
 
     with pytest.raises(EngineDirError, match="torch backend rebuilds the fp32 target"):
         SpecEngine.from_dir(int4_engines, backend="torch")
+
+
+@pytest.mark.parametrize("family", ["pard", "eagle3"])
+def test_other_families_run_lossless_on_an_int4_target(tmp_path, family, tiny_target_dir, tiny_pard_dir,
+                                                       tiny_eagle3_dir):
+    """PARD reads no target features (no aux output); EAGLE-3 reads three layers through aux_hidden_states."""
+    ck = tiny_pard_dir if family == "pard" else tiny_eagle3_dir
+    out = tmp_path / "e"
+    m = run_export(ExportConfig(family=family, out=out, checkpoint=ck, target=str(tiny_target_dir), ref_keys=64,
+                                target_precision="int4"))
+    assert m["graphs"]["target"]["kv_io"] == "shared"
+    assert ("aux_hidden_states" in m["graphs"]["target"]["outputs"]) == (family == "eagle3")
+    engine = SpecEngine.from_dir(out, check_invariants=True)
+    g = torch.Generator().manual_seed(1)
+    for n in (5, 60):
+        ids = torch.randint(0, 49152, (n,), generator=g).tolist()
+        assert engine.generate(ids, 20).token_ids == engine.generate_target_only(ids, 20).token_ids
