@@ -88,3 +88,27 @@ def test_bench_settings_int8_drafter(tiny_engines, tmp_path, method):
     assert all(v > 0 for v in res["draft_ms"].values())
     assert 0 <= res["same_all_slots"] <= res["same_slot1"] <= 1
     assert res["drafter_bytes"]["int8"] < res["drafter_bytes"]["fp32"]  # tiny graph: structure, not weights
+
+
+def test_bench_peers_on_tiny_int4_engines(tmp_path, tiny_target_dir, tiny_dflash_dir):
+    pytest.importorskip("onnxruntime_genai")
+    from export.pipeline import ExportConfig, run_export
+
+    eng = tmp_path / "int4"
+    run_export(ExportConfig(family="dflash", out=eng, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+                            ref_keys=64, target_precision="int4"))
+    out = tmp_path / "peers"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--engine", str(eng),
+                        "--contexts", "64", "--kinds", "prose,chat", "--chat-prompts", "1", "--new-tokens", "12",
+                        "--no-fp32-peer", "--peer-dir", str(tmp_path / "built"), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "bench_peers.json").read_text())
+    assert set(res["summary"]) == {"prose@64", "chat"} and (out / "peers.png").read_bytes()[:4] == b"\x89PNG"
+    for entry in res["prompts"].values():
+        assert entry["lossless"]
+        # the runtime's 1-token path reproduces ORT GenAI's own generator on the same builder graph
+        assert entry["first_difference"]["sharpdraft 1-token path vs ortgenai-int4"] is None
+        assert all(run["decode_tokens_per_s"] > 0 for run in entry["runs"].values())
+    g = res["summary"]["prose@64"]["sharpdraft-int4"]
+    assert g["mal"] >= 1.0 and "x_ortgenai-int4" in g and g["break_even_mal"] > 0
