@@ -28,13 +28,17 @@ CODE = ["def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
 NEW_TOKENS = 64
 
 
-@pytest.fixture(scope="session")
-def real_engines(tmp_path_factory):
-    out = tmp_path_factory.mktemp("real") / "engines"
-    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "dflash", "--out", str(out),
-                        "--target-precision", "fp32"], capture_output=True, text=True, timeout=1200)
+def export_cli(out, *args: str):
+    """``sharpdraft-export --drafter dflash --out OUT ARGS`` in a subprocess, as a user runs it; returns ``out``."""
+    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "dflash", "--out", str(out), *args],
+                       capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def real_engines(tmp_path_factory):
+    return export_cli(tmp_path_factory.mktemp("real") / "engines", "--target-precision", "fp32")
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import pytest
 from runtime.engine import SpecEngine
 from runtime.sampling import SamplingParams
 from runtime.serve import wait_healthy
-from tests.e2e.test_default_pair import CHAT, CODE, _free_port, _prompts
+from tests.e2e.test_default_pair import CHAT, CODE, _free_port, _prompts, export_cli
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 48
@@ -24,11 +24,7 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def int4_engines(tmp_path_factory):
-    out = tmp_path_factory.mktemp("int4") / "engines"
-    r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "dflash", "--out", str(out)],
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+    return export_cli(tmp_path_factory.mktemp("int4") / "engines")  # the CLI's default precision
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,12 @@ import pytest
 
 from runtime.async_engine import AsyncEngine
 from runtime.engine import SpecEngine
-from runtime.serve import create_app, wait_healthy
 from scripts.fault_injection import PROMPTS, run_faults
-from tests.runtime.test_serve import _free_port
+from tests.runtime.test_serve import uvicorn_server
 
 
 @pytest.fixture()
 def server(tiny_engines):
-    import uvicorn
-
     engine = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
     tok = engine.tokenizer
     expected = {p: tok.decode(engine.generate_target_only(tok.encode(p), 12).token_ids, skip_special_tokens=True)
@@ -35,15 +32,8 @@ def server(tiny_engines):
 
     engine.target.forward = flaky_forward
     aeng = AsyncEngine(engine, max_running=3, max_waiting=3)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(aeng, "tiny"), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    assert wait_healthy(url, 30)
-    yield url, engine, aeng, expected, fault
-    srv.should_exit = True
-    thread.join(10)
+    with uvicorn_server(aeng, log_level="error") as url:
+        yield url, engine, aeng, expected, fault
 
 
 def test_fault_mix_leaves_no_leaks_and_exact_outputs(server):

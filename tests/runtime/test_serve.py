@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on the tiny engines: shapes, exact usage, streaming fidelity, continuous batching,
 the queue limit, client disconnects, validation (400s that say why) and /metrics."""
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -309,20 +310,30 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_client_disconnect_mid_stream_frees_the_slot(engine):
-    """A real uvicorn server: a streaming client hangs up after its first chunk; the request is aborted at once
-    (counted in /metrics, engine batch empty) and the next request is served."""
+@contextlib.contextmanager
+def uvicorn_server(aeng: AsyncEngine, log_level: str = "warning"):
+    """A real uvicorn server on a free loopback port around ``aeng`` (its own thread); yields the base URL."""
     import uvicorn
 
-    aeng = AsyncEngine(engine, max_running=2, max_waiting=0)
-    app = create_app(aeng, "tiny")
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(aeng, "tiny"), host="127.0.0.1", port=port,
+                                           log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_healthy(url, 30)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(engine):
+    """A real uvicorn server: a streaming client hangs up after its first chunk; the request is aborted at once
+    (counted in /metrics, engine batch empty) and the next request is served."""
+    aeng = AsyncEngine(engine, max_running=2, max_waiting=0)
+    with uvicorn_server(aeng) as url:
         with httpx.stream("POST", url + "/v1/completions", timeout=30,
                           json={"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, **GREEDY}) as r:
             for line in r.iter_lines():
@@ -337,9 +348,6 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine):
         assert ok.status_code == 200
         metrics = httpx.get(url + "/metrics").text
         assert 'sharpdraft_requests_aborted_total{endpoint="completions"} 1.0' in metrics
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_query_scale_off_per_request(client):
@@ -375,18 +383,9 @@ def test_client_disconnect_mid_generation_non_streaming_frees_the_slot(engine):
     """A real uvicorn server: a NON-streaming client gives up (read timeout) while its long request runs; the
     request is aborted within a poll interval or two (slot and caches freed, counted), and the next request's
     output equals its solo target-only run."""
-    import uvicorn
-
     ref = engine.generate_target_only(engine.tokenizer.encode("def add(a, b):"), 12)  # before the worker owns it
     aeng = AsyncEngine(engine, max_running=1, max_waiting=0)
-    app = create_app(aeng, "tiny")
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_healthy(url, 30)
+    with uvicorn_server(aeng) as url:
         with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 1 s; generation would take far longer
             httpx.post(url + "/v1/completions", timeout=httpx.Timeout(30, read=1.0),
                        json={"prompt": "Once upon a time", "max_tokens": 3500, "ignore_eos": True, **GREEDY})
@@ -401,6 +400,3 @@ def test_client_disconnect_mid_generation_non_streaming_frees_the_slot(engine):
         assert ok.json()["choices"][0]["text"] == engine.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
         metrics = httpx.get(url + "/metrics").text
         assert 'sharpdraft_requests_aborted_total{endpoint="completions"} 1.0' in metrics
-    finally:
-        server.should_exit = True
-        thread.join(10)
