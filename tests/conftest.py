@@ -108,6 +108,18 @@ def tiny_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_int4_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
+    """The tiny pair with an int4 target built by ONNX Runtime GenAI's model builder (kv_io "shared")."""
+    pytest.importorskip("onnxruntime_genai")
+    from export.pipeline import ExportConfig, run_export
+
+    out = tmp_path_factory.mktemp("int4") / "engines"
+    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
+                            ref_keys=64, target_precision="int4"))
+    return out
+
+
+@pytest.fixture(scope="session")
 def concat_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir) -> Path:
     """The tiny pair exported in the former form: concat-KV target and drafter graphs (present = past + new)."""
     from export.pipeline import ExportConfig, run_export

@@ -17,11 +17,8 @@ pytest.importorskip("onnxruntime_genai")
 
 
 @pytest.fixture(scope="module")
-def int4_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir):
-    out = tmp_path_factory.mktemp("int4") / "engines"
-    run_export(ExportConfig(family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir),
-                            ref_keys=64, target_precision="int4"))
-    return out
+def int4_engines(tiny_int4_engines):
+    return tiny_int4_engines
 
 
 def test_builder_taps_follow_the_residual_stream_convention():

@@ -1,0 +1,316 @@
+"""Self-distilled training corpus from the *served* target graph: token files that last, features recomputed.
+
+Drafters are trained on the target's own greedy chain. This script runs the target an engines/ folder serves (the
+default: ONNX Runtime GenAI's int4 builder graph, kv_io "shared"), so labels and features come from the target
+users actually run, not from the fp32 model the GGUF dequantizes to.
+
+``generate`` continuously batches greedy decoding over training prompts (instruction conversations from
+scripts/corpus.py, some with a follow-up turn, and document continuations at long context) and writes two things:
+
+- token shards under ``--corpus`` (committed: ids only, a few MB): ``shard_NNNNN.safetensors`` with ``ids`` uint16
+  (all sequences concatenated), ``offsets`` int64 [n + 1], ``prompt_lens`` int32 [n], and metadata naming each
+  sequence's source; ``manifest.json`` says how every shard was made (target graph, settings, seconds, tokens);
+- feature shards under ``--features`` (build outputs, never committed) in scripts/train_dflash.py's format:
+  per sequence ``ids`` int32 [S], ``taps`` bf16 [S, len(taps) * hidden] (the target's ``aux_hidden_states``, i.e.
+  hidden_states[id + 1]) and ``labels`` int32 [S] (the target's argmax at each position), taken from the same
+  graph calls that generated the tokens, so features cost nothing extra.
+
+``features`` recomputes feature shards from committed token shards with one teacher-forced pass of the served
+target per sequence (a later session, another machine, or a new target graph: no token-by-token regeneration).
+
+Decoding is greedy on the graph's 1-token path for generation; the teacher-forced ``features`` pass runs blocks, as
+the speculative loop's verify does. On an int8-activation graph the two can resolve a near-tie differently, which
+changes which continuation is stored, never the label at a position (labels are the graph's argmax there).
+
+  python scripts/distill.py generate --engine runs/eng_int4 --minutes 50
+  python scripts/distill.py features --engine runs/eng_int4 --features runs/distill/data
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime.ort_engines import OrtTarget, bind_shared, run_shared  # noqa: E402
+from scripts.corpus import documents, instruction_conversations  # noqa: E402
+
+DEFAULT_CORPUS = Path("corpora/smollm2-135m-int4")
+SHARD_SEQS = 32
+
+
+def work_items(seed: int, doc_frac: float, tok, seq_len: int, new_tokens: int) -> list[dict]:
+    """The deterministic list of generation items: chat conversations and document continuations.
+
+    Each item is ``{"id": int, "source": str, "user": [messages]}`` (chat, rendered with the chat template) or
+    ``{"id", "source", "prompt": [ids]}`` (a train-split document window of a random length in
+    64 .. ``seq_len - new_tokens``: the target's greedy chain after long contexts). ``doc_frac`` of the items are
+    documents. Item ids are stable for a given seed, so a rerun skips what the manifest lists as done.
+    """
+    rng = random.Random(seed)
+    convs = instruction_conversations(seed)
+    docs = documents("train")
+    names = [f"doc{i}" for i in range(len(docs))]
+    n_docs = int(len(convs) * doc_frac / max(1e-9, 1 - doc_frac))
+    items: list[dict] = []
+    for c in convs:
+        items.append({"source": c["source"], "user": c["user"]})
+    doc_ids = [None] * len(docs)
+    for _ in range(n_docs):
+        d = rng.randrange(len(docs))
+        if doc_ids[d] is None:
+            doc_ids[d] = tok.encode(docs[d])
+        ids = doc_ids[d]
+        n = rng.randrange(64, seq_len - new_tokens + 1)
+        o = rng.randrange(0, max(1, len(ids) - n + 1))
+        items.append({"source": f"document:{names[d]}@{o}", "prompt": ids[o:o + n]})
+    rng.shuffle(items)
+    for i, it in enumerate(items):
+        it["id"] = i
+    return items
+
+
+class BatchDecoder:
+    """Continuous greedy batching on a kv_io "shared" target graph (export/genai_target.py).
+
+    K/V live in per-layer buffers ``[slots, kv_heads, capacity, head_dim]``. A new sequence is prefilled into its
+    slot (one call on the slot's row view), then all slots decode together, one token per call, with a right-padded
+    ``attention_mask`` whose row sums are the rows' lengths (the graph's positions and cache offsets). Logits and
+    taps of every call are kept per row, so each finished sequence comes with its features and labels.
+    """
+
+    def __init__(self, target: OrtTarget, slots: int, capacity: int):
+        if not target.shared_kv:
+            raise click.UsageError("distill.py drives the quantized (kv_io shared) target; export with "
+                                   "--target-precision int4 or int8")
+        self.t, self.slots, self.cap = target, slots, capacity
+        shape = (slots, target.kv_heads, capacity, target.head_dim)
+        self.buffers = [np.zeros(shape, target.kv_dtype) for _ in target.kv_names]
+        self.binding = bind_shared(target.session, self.buffers, target.kv_names, target.present_names,
+                                   target.taps_output)
+        self.rows: list[dict | None] = [None] * slots
+
+    def prefill(self, slot: int, row: dict, prompt: list[int]) -> None:
+        views = [b[slot: slot + 1] for b in self.buffers]
+        logits, taps = run_shared(self.t.session, np.asarray([prompt], np.int64),
+                                  np.ones((1, len(prompt)), np.int64), views, self.t.kv_names,
+                                  self.t.present_names, self.t.taps_output)
+        row.update(ids=list(prompt), labels=logits[0].argmax(-1).tolist(),
+                   taps=[torch.from_numpy(taps[0]).to(torch.bfloat16)], prompt_len=len(prompt))
+        self.rows[slot] = row
+
+    def step(self) -> None:
+        """One decode call over all occupied slots: feeds each row's last label as its next token."""
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        lens = [len(r["ids"]) if r is not None else 0 for r in self.rows]
+        width = max(lens) + 1
+        ids = np.zeros((self.slots, 1), np.int64)
+        mask = np.zeros((self.slots, width), np.int64)
+        for i in range(self.slots):
+            r = self.rows[i]
+            ids[i, 0] = r["labels"][-1] if r is not None else 0
+            mask[i, : lens[i] + 1] = 1  # an empty slot writes position 0 of its own row only
+        logits, taps = run_shared(self.t.session, ids, mask, self.buffers, self.t.kv_names, self.t.present_names,
+                                  self.t.taps_output, binding=self.binding)
+        nxt = logits[:, 0].argmax(-1)
+        for i in live:
+            r = self.rows[i]
+            r["ids"].append(int(ids[i, 0]))
+            r["labels"].append(int(nxt[i]))
+            r["taps"].append(torch.from_numpy(taps[i]).to(torch.bfloat16))
+
+
+def _record(row: dict) -> dict:
+    return {"ids": torch.tensor(row["ids"], dtype=torch.int32), "labels": torch.tensor(row["labels"], dtype=torch.int32),
+            "taps": torch.cat(row["taps"])}
+
+
+def write_token_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int], sources: list[str],
+                      item_ids: list[int]) -> None:
+    """Write one token shard atomically (temp + rename): ids uint16, offsets int64, prompt_lens int32."""
+    from safetensors.numpy import save_file
+
+    ids = np.concatenate([np.asarray(s, np.int64) for s in seqs])
+    if ids.max() >= 2 ** 16:
+        raise ValueError("token ids do not fit uint16; store int32 for this vocabulary")
+    offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"ids": ids.astype(np.uint16), "offsets": offsets, "prompt_lens": np.asarray(prompt_lens, np.int32)},
+              str(tmp), metadata={"sources": json.dumps(sources), "items": json.dumps(item_ids)})
+    tmp.replace(path)
+
+
+def read_token_shard(path: Path) -> tuple[list[list[int]], list[int], list[str]]:
+    """(sequences, prompt lengths, sources) of a token shard written by :func:`write_token_shard`."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata()
+    off = t["offsets"]
+    seqs = [t["ids"][off[i]:off[i + 1]].astype(np.int64).tolist() for i in range(len(off) - 1)]
+    return seqs, t["prompt_lens"].tolist(), json.loads(meta["sources"])
+
+
+def _manifest(corpus: Path) -> dict:
+    f = corpus / "manifest.json"
+    return json.loads(f.read_text()) if f.exists() else {"format": "sharpdraft token corpus v1", "shards": []}
+
+
+def _write_manifest(corpus: Path, man: dict) -> None:
+    tmp = corpus / ".manifest.json.tmp"
+    tmp.write_text(json.dumps(man, indent=1) + "\n")
+    tmp.replace(corpus / "manifest.json")
+
+
+@click.group()
+def cli():
+    pass
+
+
+@cli.command()
+@click.option("--engine", "engine_dir", default="runs/eng_int4", type=click.Path(exists=True, path_type=Path),
+              help="an engines/ folder whose target is served (quantized, kv_io shared)")
+@click.option("--corpus", default=DEFAULT_CORPUS, type=click.Path(path_type=Path), show_default=True)
+@click.option("--features", "feat_dir", default=Path("runs/distill/data"), type=click.Path(path_type=Path),
+              show_default=True, help="feature shards for scripts/train_dflash.py (build output)")
+@click.option("--minutes", default=30.0, show_default=True)
+@click.option("--slots", default=12, show_default=True, help="sequences decoded together")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--doc-frac", default=0.35, show_default=True, help="fraction of items that are document continuations")
+@click.option("--seq-len", default=1280, show_default=True, help="longest sequence (prompt + reply)")
+@click.option("--new-tokens", default=256, show_default=True, help="most tokens generated per turn")
+@click.option("--threads", default=2)
+def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slots: int, seed: int, doc_frac: float,
+             seq_len: int, new_tokens: int, threads: int):
+    """Greedy-decode training items with the served target; append token and feature shards (resumable)."""
+    from runtime.engine import SpecEngine
+
+    engine = SpecEngine.from_dir(engine_dir, threads=threads)
+    tok, target = engine.tokenizer, engine.target
+    eos = tok.eos_token_id
+    corpus.mkdir(parents=True, exist_ok=True)
+    feat_dir.mkdir(parents=True, exist_ok=True)
+    man = _manifest(corpus)
+    settings = {"seed": seed, "doc_frac": doc_frac, "seq_len": seq_len, "new_tokens": new_tokens}
+    build = json.loads((engine_dir / "target" / "BUILD.json").read_text()) if (
+        engine_dir / "target" / "BUILD.json").exists() else {}
+    done = {i for s in man["shards"] if s["settings"] == settings for i in s["items"]}
+    items = [it for it in work_items(seed, doc_frac, tok, seq_len, new_tokens) if it["id"] not in done]
+    print(f"{len(items)} items to go ({len(done)} done for these settings)", flush=True)
+    dec = BatchDecoder(target, slots, seq_len + 8)
+    queue = list(reversed(items))
+    finished: list[tuple[dict, dict]] = []  # (item, row)
+    shard = len(man["shards"])
+    t0 = time.time()
+    gen_tokens = 0
+
+    def chat_ids(msgs: list[dict]) -> list[int]:
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def start(slot: int, item: dict, msgs: list[dict] | None = None) -> None:
+        if "prompt" in item:
+            prompt = item["prompt"]
+        else:
+            msgs = msgs or [{"role": "user", "content": item["user"][0]}]
+            prompt = chat_ids(msgs)[-(seq_len - new_tokens):]
+        dec.prefill(slot, {"item": item, "msgs": msgs, "turn": 1 if msgs is None else len(msgs) // 2 + 1}, prompt)
+
+    def flush(final: bool) -> None:
+        nonlocal shard, finished
+        while len(finished) >= SHARD_SEQS or (final and finished):
+            batch, finished = finished[:SHARD_SEQS], finished[SHARD_SEQS:]
+            name = f"shard_{shard:05d}"
+            seqs = [r["ids"] + [r["labels"][-1]] for _, r in batch]
+            write_token_shard(corpus / f"{name}.safetensors", seqs, [r["prompt_len"] for _, r in batch],
+                              [it["source"] for it, _ in batch], [it["id"] for it, _ in batch])
+            recs = [_record(r) for _, r in batch]
+            tmp = feat_dir / f".{name}.pt.tmp"
+            torch.save({"kind": "distill-int4", "seq_len": seq_len, "records": recs}, tmp)
+            tmp.replace(feat_dir / f"{name}.pt")
+            items_done = sorted({it["id"] for it, r in batch if r.get("last_turn", True)})
+            man["shards"].append({"file": f"{name}.safetensors", "settings": settings, "items": items_done,
+                                  "sequences": len(seqs), "tokens": int(sum(len(s) for s in seqs)),
+                                  "generated_tokens": int(sum(len(s) - r["prompt_len"] for s, (_, r) in
+                                                              zip(seqs, batch))),
+                                  "seconds": round(time.time() - t0, 1), "target": build,
+                                  "engine": str(engine_dir), "made_by": "scripts/distill.py generate"})
+            _write_manifest(corpus, man)
+            shard += 1
+            print(f"{name}: {len(seqs)} sequences, {gen_tokens} tokens generated in {time.time() - t0:.0f}s "
+                  f"({gen_tokens / (time.time() - t0):.0f}/s)", flush=True)
+
+    while time.time() - t0 < minutes * 60 and (queue or any(dec.rows)):
+        for s in range(slots):
+            if dec.rows[s] is None and queue:
+                start(s, queue.pop())
+        dec.step()
+        gen_tokens += sum(r is not None for r in dec.rows)
+        for s, r in enumerate(dec.rows):
+            if r is None:
+                continue
+            n_new = len(r["ids"]) + 1 - r["prompt_len"]
+            if r["labels"][-1] == eos or n_new >= new_tokens or len(r["ids"]) + 1 >= seq_len:
+                dec.rows[s] = None
+                item = r["item"]
+                users = item.get("user", [])
+                if r["turn"] < len(users):  # follow-up turn after the target's own reply
+                    reply = tok.decode(r["ids"][r["prompt_len"]:] + [r["labels"][-1]], skip_special_tokens=True)
+                    msgs = (r["msgs"] or [{"role": "user", "content": users[0]}]) + [
+                        {"role": "assistant", "content": reply}, {"role": "user", "content": users[r["turn"]]}]
+                    r["last_turn"] = False
+                    finished.append((item, r))
+                    start(s, item, msgs)
+                else:
+                    finished.append((item, r))
+        flush(False)
+    flush(True)  # in-flight rows are dropped: their items run again on the next call
+
+
+@cli.command()
+@click.option("--engine", "engine_dir", default="runs/eng_int4", type=click.Path(exists=True, path_type=Path))
+@click.option("--corpus", default=DEFAULT_CORPUS, type=click.Path(exists=True, path_type=Path), show_default=True)
+@click.option("--features", "feat_dir", default=Path("runs/distill/data"), type=click.Path(path_type=Path),
+              show_default=True)
+@click.option("--threads", default=2)
+def features(engine_dir: Path, corpus: Path, feat_dir: Path, threads: int):
+    """Recompute feature shards from the token shards: one teacher-forced target pass per sequence (skips shards
+    whose features exist)."""
+    from runtime.engine import SpecEngine
+
+    engine = SpecEngine.from_dir(engine_dir, threads=threads)
+    target = engine.target
+    feat_dir.mkdir(parents=True, exist_ok=True)
+    for f in sorted(corpus.glob("shard_*.safetensors")):
+        out = feat_dir / f"{f.name.split('.')[0]}.pt"
+        if out.exists():
+            continue
+        t0 = time.time()
+        seqs, _, _ = read_token_shard(f)
+        recs = []
+        for s in seqs:
+            cache = target.new_cache()
+            ids, labels, taps = s[:-1], [], []
+            for i in range(0, len(ids), target.prefill_chunk):
+                lg, tp = target.forward([cache], [ids[i:i + target.prefill_chunk]])
+                n = len(ids[i:i + target.prefill_chunk])
+                labels += lg[0, :n].argmax(-1).tolist()
+                taps.append(torch.from_numpy(tp[0, :n]).to(torch.bfloat16))
+            recs.append({"ids": torch.tensor(ids, dtype=torch.int32),
+                         "labels": torch.tensor(labels, dtype=torch.int32), "taps": torch.cat(taps)})
+        tmp = feat_dir / f".{out.name}.tmp"
+        torch.save({"kind": "distill-int4", "seq_len": max(len(s) for s in seqs), "records": recs}, tmp)
+        tmp.replace(out)
+        print(f"{out}: {len(recs)} sequences, {sum(len(s) for s in seqs)} tokens, {time.time() - t0:.0f}s",
+              flush=True)
+
+
+if __name__ == "__main__":
+    cli()
