@@ -12,7 +12,8 @@ scripts/corpus.py, some with a follow-up turn, and document continuations at lon
   sequence's source; ``manifest.json`` says how every shard was made (target graph, settings, seconds, tokens);
 - feature shards under ``--features`` (build outputs, never committed) in scripts/train_dflash.py's format:
   per sequence ``ids`` int32 [S], ``taps`` bf16 [S, len(taps) * hidden] (the target's ``aux_hidden_states``, i.e.
-  hidden_states[id + 1]) and ``labels`` int32 [S] (the target's argmax at each position), taken from the same
+  hidden_states[id + 1]), ``labels`` int32 [S] (the target's argmax at each position) and ``prompt_len`` (where
+  the target's own greedy continuation starts), taken from the same
   graph calls that generated the tokens, so features cost nothing extra.
 
 ``features`` recomputes feature shards from committed token shards with one teacher-forced pass of the served
@@ -128,7 +129,7 @@ class BatchDecoder:
 
 def _record(row: dict) -> dict:
     return {"ids": torch.tensor(row["ids"], dtype=torch.int32), "labels": torch.tensor(row["labels"], dtype=torch.int32),
-            "taps": torch.cat(row["taps"])}
+            "taps": torch.cat(row["taps"]), "prompt_len": row["prompt_len"]}
 
 
 def write_token_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int], sources: list[str],
@@ -293,9 +294,9 @@ def features(engine_dir: Path, corpus: Path, feat_dir: Path, threads: int):
         if out.exists():
             continue
         t0 = time.time()
-        seqs, _, _ = read_token_shard(f)
+        seqs, plens, _ = read_token_shard(f)
         recs = []
-        for s in seqs:
+        for s, pl in zip(seqs, plens):
             cache = target.new_cache()
             ids, labels, taps = s[:-1], [], []
             for i in range(0, len(ids), target.prefill_chunk):
@@ -304,7 +305,8 @@ def features(engine_dir: Path, corpus: Path, feat_dir: Path, threads: int):
                 labels += lg[0, :n].argmax(-1).tolist()
                 taps.append(torch.from_numpy(tp[0, :n]).to(torch.bfloat16))
             recs.append({"ids": torch.tensor(ids, dtype=torch.int32),
-                         "labels": torch.tensor(labels, dtype=torch.int32), "taps": torch.cat(taps)})
+                         "labels": torch.tensor(labels, dtype=torch.int32), "taps": torch.cat(taps),
+                         "prompt_len": pl})
         tmp = feat_dir / f".{out.name}.tmp"
         torch.save({"kind": "distill-int4", "seq_len": max(len(s) for s in seqs), "records": recs}, tmp)
         tmp.replace(out)

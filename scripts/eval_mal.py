@@ -95,13 +95,19 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
                "draft_tokens": draft_tokens if draft_tokens is not None else engine.default_draft_tokens,
                "query_scale": engine.manifest["query_scale"],
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
+               "mal_by_kind": {k: round(statistics.mean(r["mal"] for r in rows if prompt_kind(r["prompt"]) == k), 4)
+                               for k in ("prose", "code", "chat")},
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),
                "speedup_geomean": round(statistics.geometric_mean(r["spec_tok_s"] / r["target_tok_s"]
                                                                   for r in rows), 4),
                "rows": rows}
     if compare_query_scale:
+        summary["mal_by_kind_frozen"] = {
+            k: round(statistics.mean(r["mal_frozen"] for r in rows if prompt_kind(r["prompt"]) == k), 4)
+            for k in ("prose", "code", "chat")}
         summary["mal_documents_frozen"] = round(statistics.mean(r["mal_frozen"] for r in doc_rows), 4)
         summary["mal_all_frozen"] = round(statistics.mean(r["mal_frozen"] for r in rows), 4)
+    click.echo("mean MAL by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["mal_by_kind"].items()))
     click.echo(f"mean MAL: documents {summary['mal_documents']:.3f}, all {summary['mal_all']:.3f}; "
                f"speedup (geo-mean) {summary['speedup_geomean']:.3f}x")
     if compare_query_scale:
@@ -110,6 +116,11 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(summary, indent=1))
+
+
+def prompt_kind(name: str) -> str:
+    """"prose" (a held-out play), "code" (a held-out stdlib module) or "chat" (a held-out chat prompt)."""
+    return "chat" if name.startswith("chat") else "code" if name.endswith(".py") else "prose"
 
 
 if __name__ == "__main__":

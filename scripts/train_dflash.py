@@ -297,8 +297,12 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
 @click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="start a new run (no checkpoint under --work yet) from these DFlash weights, e.g. the shipped "
                    "drafters/dflash-smollm2-135m, with a fresh optimizer; ignored when resuming")
+@click.option("--gen-anchors", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="fraction of each sequence's anchors drawn from the target's own greedy continuation (records "
+                   "with a prompt_len, scripts/distill.py), where the drafter drafts at inference; the rest uniform")
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
-          threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None):
+          threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None,
+          gen_anchors: float):
     """Train (or resume) the drafter on all shards under --work for --minutes of wall time.
 
     The drafter's ``sharpdraft_query_scale.ref_keys`` is set to the longest training sequence (its training
@@ -338,7 +342,8 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         print(f"resumed at step {state['step']} ({state['seconds']:.0f}s trained)")
     state.setdefault("calls", []).append({
         "at_step": state["step"], "minutes": minutes, "lr": lr, "seqs_per_step": seqs_per_step, "anchors": anchors,
-        "draft_vocab": str(draft_vocab_path) if draft_vocab_path else None, "slot_decay": slot_decay})
+        "draft_vocab": str(draft_vocab_path) if draft_vocab_path else None, "slot_decay": slot_decay,
+        "gen_anchors": gen_anchors})
     train_recs, val_recs = load_shards(work)
     if not train_recs or not val_recs:
         raise click.UsageError(f"{work / 'data'} holds {len(train_recs)} training and {len(val_recs)} validation "
@@ -368,8 +373,7 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         tot_loss, acc = 0.0, []
         for _ in range(seqs_per_step):
             rec = train_recs[rng.randrange(len(train_recs))]
-            n = rec["ids"].numel()
-            a = torch.tensor(sorted(rng.sample(range(1, n - 1), min(anchors, n - 2))))
+            a = sample_anchors(rng, rec, anchors, gen_anchors)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **loss_kw)
             (loss / seqs_per_step).backward()
@@ -388,6 +392,30 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw)
 
 
+def sample_anchors(rng: random.Random, rec: dict, count: int, gen_frac: float = 0.0,
+                   generated_only: bool = False) -> torch.Tensor:
+    """Sorted distinct anchor positions [A] int64 in 1 .. S-2 of one record.
+
+    Anchor a drafts the block after ``ids[a]`` from context 0 .. a - 1. At inference the first anchor of a request
+    is its first generated token (position ``prompt_len``), so a record's generated anchors are prompt_len .. S-2.
+    ``gen_frac`` of the anchors are drawn there (records with a ``prompt_len``), the rest uniformly from what is
+    left; ``generated_only`` draws only there (None when the record has no generated part).
+    """
+    n = rec["ids"].numel()
+    pl = rec.get("prompt_len")
+    gen = range(max(1, pl), n - 1) if pl is not None else range(0)
+    if generated_only:
+        if len(gen) == 0:
+            return None
+        return torch.tensor(sorted(rng.sample(gen, min(count, len(gen)))))
+    count = min(count, n - 2)
+    picked = rng.sample(gen, min(len(gen), round(count * gen_frac))) if gen_frac > 0 and len(gen) else []
+    chosen = set(picked)
+    rest = [x for x in range(1, n - 1) if x not in chosen]
+    picked += rng.sample(rest, count - len(picked))
+    return torch.tensor(sorted(picked))
+
+
 def training_profile(query_scale: dict | None, train_len: int) -> dict:
     """The drafter's ``sharpdraft_query_scale`` after training on sequences of at most ``train_len`` tokens:
     ref_keys = ``train_len`` (beta 1 at every N seen in training, as SharpDraft's ref is the training length),
@@ -399,17 +427,24 @@ def training_profile(query_scale: dict | None, train_len: int) -> dict:
 def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
     d.eval()
     rng = random.Random(1)
-    losses, lens, slot_acc = [], [], []
+    losses, lens, slot_acc, gen_lens = [], [], [], []
     for rec in val_recs:
-        n = rec["ids"].numel()
-        a = torch.tensor(sorted(rng.sample(range(1, n - 1), min(32, n - 2))))
+        a = sample_anchors(rng, rec, 32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **(loss_kw or {}))
         losses.append(loss.item())
         lens.append(accept_len(correct).float().mean().item())
         slot_acc.append((correct.float().sum(0) / valid.float().sum(0).clamp(min=1)))
-    return {"val_loss": sum(losses) / len(losses), "val_proxy_mal": sum(lens) / len(lens),
-            "val_slot_acc": [round(x, 3) for x in torch.stack(slot_acc).mean(0).tolist()]}
+        a = sample_anchors(rng, rec, 32, generated_only=True)
+        if a is not None:  # blocks where the drafter drafts at inference: after the prompt
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, correct, _ = block_loss(d, rec, a, embed, lm_head, **(loss_kw or {}))
+            gen_lens.append(accept_len(correct).float().mean().item())
+    out = {"val_loss": sum(losses) / len(losses), "val_proxy_mal": sum(lens) / len(lens),
+           "val_slot_acc": [round(x, 3) for x in torch.stack(slot_acc).mean(0).tolist()]}
+    if gen_lens:
+        out["val_gen_proxy_mal"] = sum(gen_lens) / len(gen_lens)
+    return out
 
 
 def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw):
@@ -425,7 +460,8 @@ def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw):
     # revisited many times can overfit before the time budget ends (`save --best` writes it)
     call_start = state["calls"][-1]["at_step"] if state.get("calls") else 0
     this_call = [e for e in state["log"] if e["step"] > call_start]
-    if v["val_proxy_mal"] >= max(e["val_proxy_mal"] for e in this_call):
+    key = "val_gen_proxy_mal" if "val_gen_proxy_mal" in v else "val_proxy_mal"  # drafting happens after prompts
+    if v[key] >= max(e.get(key, 0.0) for e in this_call):
         shutil.copyfile(ckpt_path, tmp)
         tmp.replace(ckpt_path.with_name("ckpt_best.pt"))
         print(f"best of this call so far (step {state['step']}) -> {ckpt_path.with_name('ckpt_best.pt')}")

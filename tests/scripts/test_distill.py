@@ -89,6 +89,7 @@ def test_generate_then_features_recomputed_from_tokens(tiny_int4_engines, tmp_pa
         assert len(a) == len(b) == len(seqs) == s["sequences"]
         for ra, rb, seq, pl in zip(a, b, seqs, plens):
             assert ra["ids"].tolist() == rb["ids"].tolist() == seq[:-1]
+            assert ra["prompt_len"] == rb["prompt_len"] == pl
             assert ra["labels"][-1].item() == seq[-1]  # the last generated token is the last position's label
             assert ra["labels"][pl - 1:-1].tolist() == seq[pl:-1]  # generated tokens are the greedy labels
             assert ra["taps"].shape == rb["taps"].shape

@@ -165,3 +165,22 @@ def test_save_best_keeps_extra_config_and_previous_log(tmp_path):
     saved = load_dflash(out)
     for k, v in best.state_dict().items():  # bf16 on disk
         torch.testing.assert_close(saved.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+def test_sample_anchors_from_the_generated_part():
+    import random
+
+    from scripts.train_dflash import sample_anchors
+
+    rec = {"ids": torch.zeros(100, dtype=torch.int32), "prompt_len": 70}
+    rng = random.Random(0)
+    a = sample_anchors(rng, rec, 40, gen_frac=0.5)
+    assert a.numel() == 40 and a.unique().numel() == 40 and a.min() >= 1 and a.max() <= 98
+    assert (a >= 70).sum() >= 20  # half from 70 .. 98, the rest anywhere
+    g = sample_anchors(rng, rec, 40, generated_only=True)
+    assert g.tolist() == list(range(70, 99))  # only 29 generated anchors exist
+    assert sample_anchors(rng, {"ids": rec["ids"]}, 16, generated_only=True) is None
+    u = sample_anchors(rng, {"ids": rec["ids"]}, 16, gen_frac=1.0)  # no prompt_len: uniform
+    assert u.numel() == 16 and u.min() >= 1
+    short = sample_anchors(rng, {"ids": torch.zeros(5, dtype=torch.int32), "prompt_len": 2}, 32, gen_frac=1.0)
+    assert short.tolist() == [1, 2, 3]
