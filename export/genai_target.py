@@ -125,7 +125,7 @@ def graph_io(path: Path, num_layers: int, taps: bool, precision: str, accuracy_l
 
     # accuracy_level 4 quantizes activations to int8 per block: a last-bit difference between the 1-token and the
     # multi-token kernels (attention, GEMV vs GEMM) can flip an activation's rounding and then a near-tie argmax,
-    # so the runtime runs every call with >= 2 query rows (measured: README "Quantized target")
+    # so the runtime runs every call with >= 2 query rows (measured: docs/quantized-target.md)
     return {"inputs": want_in, "outputs": want_out, "kv_io": "shared", "precision": precision,
             "min_q_len": 2 if int(accuracy_level) == 4 else 1,
             "taps_output": "aux_hidden_states" if taps else None,

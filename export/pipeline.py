@@ -31,7 +31,7 @@ DEFAULT_CHECKPOINTS = {"dflash": REPO_ROOT / "drafters" / "dflash-smollm2-135m",
 DEFAULT_EAGLE3_DRAFT_TOKENS = 5  # chain length K when the checkpoint does not say
 DEFAULT_PARD_DRAFT_TOKENS = 8  # K when the checkpoint does not say (sharpdraft_num_draft_tokens); the reference uses 12
 FAMILIES = ("dflash", "pard", "eagle3")
-DEFAULT_TARGET_PRECISION = "int4"  # measured by scripts/bench_peers.py (README "Quantized target")
+DEFAULT_TARGET_PRECISION = "int4"  # measured by scripts/bench_peers.py (docs/quantized-target.md)
 
 
 class ExportError(RuntimeError):

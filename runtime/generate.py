@@ -73,8 +73,8 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     precision = engine.manifest["target"].get("precision", "fp32")
     click.echo(f"target-only: {b.tokens_per_s:.1f} tokens/s (the same {precision} target graph, no drafter)")
     if plain is not None:
-        click.echo(f"target-only with 1-token steps (as ONNX Runtime GenAI decodes; rounds differently, README "
-                   f"\"Quantized target\"): {plain.stats.tokens_per_s:.1f} tokens/s")
+        click.echo(f"target-only with 1-token steps (as ONNX Runtime GenAI decodes; rounds differently, "
+                   f"docs/quantized-target.md): {plain.stats.tokens_per_s:.1f} tokens/s")
     click.echo(f"speedup over target-only: {speedup:.2f}x")
     lossless = spec.token_ids == base.token_ids
     click.echo(f"lossless (speculative ids == target-only greedy ids): {lossless}")

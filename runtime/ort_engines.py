@@ -139,7 +139,7 @@ class OrtTarget(_Graph):
             self.kv_dtype = _ORT_DTYPES[self.session.get_inputs()[2].type]
         # int8-activation graphs (MatMulNBits accuracy_level 4) give a 1-token step other rounding than a block of
         # >= 2, so such graphs record min_q_len 2: every call then takes the block path, and speculative greedy
-        # output equals target-only greedy output bit for bit (README "Quantized target"). $SHARPDRAFT_TARGET_MIN_Q
+        # output equals target-only greedy output bit for bit (docs/quantized-target.md). $SHARPDRAFT_TARGET_MIN_Q
         # overrides it for benchmarks of the plain 1-token step.
         self.min_q = max(1, int(os.environ.get("SHARPDRAFT_TARGET_MIN_Q", 0)) or int(graph.get("min_q_len", 1)))
         self.prefill_chunk = int(os.environ.get("SHARPDRAFT_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK))

@@ -10,7 +10,7 @@ Configurations (run one after another on every prompt; their order rotates from 
 - ``sharpdraft-int4-target-only``: the same target graph without the drafter, as the runtime runs it (every call
   with >= 2 query rows, the folder's ``min_q_len``): the lossless reference, sharpdraft-int4 must emit its ids;
 - ``sharpdraft-int4-target-only-q1``: the same with plain 1-token steps (as ORT GenAI decodes): the "loop adds no
-  tax" comparison against ``ortgenai-int4`` (its ids may differ from the block path's: README "Quantized target");
+  tax" comparison against ``ortgenai-int4`` (its ids may differ from the block path's: docs/quantized-target.md);
 - ``sharpdraft-fp32`` / ``sharpdraft-fp32-target-only`` (``--engine-fp32``): the same pair with the fp32 target.
 
 Prompts (held out from every drafter's training, scripts/corpus.py): ``prose`` (hamlet) and ``code``

@@ -1,7 +1,7 @@
 """Calibration on the real default pair: the shipped DFlash drafter's attention dilutes with N and beta restores it.
 
 Small version of ``sharpdraft-calibrate --engine engines/`` (one built-in text, N in {128, 512, 2048}); the full
-run and its figures are in README ("Long-context dilution").
+run and its figures are in docs/long-context.md.
 """
 import pytest
 

@@ -2,7 +2,7 @@
 DFlash drafter.
 
 Lossless here means: speculative greedy ids == target-only greedy ids of the same int4 graph, as the runtime runs
-it (every call with >= 2 query rows, the folder's ``min_q_len``; README "Quantized target"). The runtime's plain
+it (every call with >= 2 query rows, the folder's ``min_q_len``; docs/quantized-target.md). The runtime's plain
 1-token path must also reproduce ONNX Runtime GenAI's own generator on the same graph token for token, which shows
 the shared-buffer IOBinding drives the graph as its authors do.
 """
