@@ -8,7 +8,7 @@ on real long documents (offline; never the evaluation documents of ``scripts/eva
 2. Runs the drafter **frozen** at a grid of visible-key counts N and records, per layer, the top-k attention mass,
    the contrast of the log-odds identity ``logit(mass) = contrast - ln((N - k)/k)`` (its residual is reported), and
    the contrast gained per unit of beta (``plugins/dilution.py``); plus a teacher-forced acceptance proxy.
-   N per family (design.md §1): DFlash, one draft block after s context tokens (N = s + block size for every block
+   N per family (docs/design.md §1): DFlash, one draft block after s context tokens (N = s + block size for every block
    query); PARD and EAGLE-3 (causal), the document's query row at position N - 1 (N = position + 1).
 3. Takes the frozen mass at the drafter's training length (``--train-keys``; default the ``ref_keys`` the checkpoint
    ships, else 512) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged),

@@ -12,7 +12,7 @@ This is the oracle the Triton kernel (plugins/triton_attention.py) is tested aga
 - ``key_mask`` ``[batch, kv_len_max]`` (optional; 0 = hidden): keys hidden per sequence on top of the above, e.g.
   the padding holes of a ragged batch whose rows were right-padded piecewise (DFlash: past | context | block).
 - N_bi = number of keys query (b, i) sees (after lengths, causal, window and key_mask), the visible-key count of
-  design.md §1; beta comes from :func:`plugins.rule.beta_torch`. A row that sees no key outputs zeros.
+  docs/design.md §1; beta comes from :func:`plugins.rule.beta_torch`. A row that sees no key outputs zeros.
   Accumulation is fp32; the output has q's dtype.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ DEFAULT_SLOPE = 5.0
 DEFAULT_CAP = math.exp(0.5)  # e^0.5 ~= 1.6487212707
 
 # ref_keys per drafter family: DFlash and PARD from the paper's primary runs; EAGLE-3 heads are trained at 2048
-# positions, the analogous default (see ../shared/reference/drafters.md §5).
+# positions, the analogous default (see docs/reference/drafters.md §5).
 FAMILY_REF_KEYS = {"dflash": 2048, "pard": 8192, "eagle3": 2048}
 
 

@@ -43,7 +43,7 @@ How N (visible keys) is derived, and from what:
 - DFlash (non-causal block of B slots after s context tokens): N = s + B for every slot, read from the kernel's own
   key-length argument (``cache_seqlens`` / ``seq_lens`` / ``seqused_k`` = ``num_ctx_per_req + block_size``), per
   request. For a sliding-window layer (window argument >= 0) N = min(s + B, window_left + 1), the per-layer rule of
-  ../shared/design.md §1 (for the symmetric DFlash window the exact per-row count is up to B - 1 larger).
+  docs/design.md §1 (for the symmetric DFlash window the exact per-row count is up to B - 1 larger).
 
 Routes: ``"multiply"`` (Option A, all families) and ``"logn_table"`` (Option B, PARD and Eagle3 only, UNVERIFIED:
 sets ``FmhaParams.use_logn_scaling`` / ``logn_scaling_ptr = T`` with ``T[p] = beta(p + 1)`` for the drafter's

@@ -2,7 +2,7 @@
 
 TensorRT-LLM's attention op multiplies q by a per-position float32 table ``logn_scaling`` inside its fused
 QKV-preprocessing / XQA / masked-MHA kernels (``params.logn_scaling[token_idx_in_seq]``; FmhaParams fields
-``use_logn_scaling`` / ``logn_scaling_ptr``; see ../shared/reference/trtllm_onnx.md §0.2 and §1.5B). For a causal
+``use_logn_scaling`` / ``logn_scaling_ptr``; see docs/reference/trtllm_onnx.md §0.2 and §1.5B). For a causal
 drafter (PARD, EAGLE-3) the query at 0-based position p sees N = p + 1 keys, so the table ``T[p] = beta(p + 1)``
 reproduces SharpDraft's rule inside the kernel at no extra cost. :func:`scale_query` is the Llama-4-style
 alternative (an elementwise multiply after q-norm and RoPE, §1.5A) and the oracle the table is checked against.

@@ -42,7 +42,7 @@ from runtime.stops import StopChecker
 
 
 class InvariantError(AssertionError):
-    """A loop invariant of design.md §5 broke (a bug, never user error)."""
+    """A loop invariant of docs/design.md §5 broke (a bug, never user error)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,7 +94,7 @@ class SpecEngine:
         verification: "rejection" or "exact_match"; None = the drafter's own choice.
         default_draft_tokens: draft tokens verified per round for requests that do not set num_draft_tokens
             (None = all the drafter drafts; an engines manifest's ``drafter.verify_draft_tokens``).
-        check_invariants: assert design.md §5's invariants after every round (tests).
+        check_invariants: assert docs/design.md §5's invariants after every round (tests).
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
@@ -343,7 +343,7 @@ class SpecEngine:
         return out
 
     def _check_round(self, s: Sequence, drafts: list[int]) -> None:
-        """Invariants after every round (design.md §5)."""
+        """Invariants after every round (docs/design.md §5)."""
         if s.target_cache.length != s.committed:
             raise InvariantError(f"target KV length {s.target_cache.length} != committed tokens {s.committed}")
         if self.drafter is not None and getattr(self.drafter, "context", "target_features") == "tokens":

@@ -1,4 +1,4 @@
-"""The engines/ folder contract between export and runtime (design.md §3).
+"""The engines/ folder contract between export and runtime (docs/design.md §3).
 
 Layout::
 

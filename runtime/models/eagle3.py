@@ -1,7 +1,7 @@
 """EAGLE-3 drafter (SafeAILab, arXiv 2503.01840) in PyTorch, faithful to the public checkpoint formats.
 
 Checkpoint format (``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``, AngelSlim / RedHat speculators heads; ModelOpt's
-official export; ../shared/reference/drafters.md §3.1, §3.3, §6.3): a Llama-style ``config.json`` with
+official export; docs/reference/drafters.md §3.1, §3.3, §6.3): a Llama-style ``config.json`` with
 ``draft_vocab_size`` (and optionally ``target_hidden_size``, ``eagle_config``), weights
 
     fc.weight                      [hidden, 3 * target_hidden]   fused target features -> hidden
@@ -20,7 +20,7 @@ Variants accepted (the ecosystem writes them): ``layers.0.*`` instead of ``midla
 
 Target features: HF ``hidden_states[i]`` (the input of target layer i) for i in the aux layer ids, default
 {2, L // 2, L - 3}, concatenated in that order. Drafter position p holds the pair (token p + 1, feature h_p);
-attention is causal, so N of a query row = its position + 1 (design.md §1), beta differs per row.
+attention is causal, so N of a query row = its position + 1 (docs/design.md §1), beta differs per row.
 """
 from __future__ import annotations
 

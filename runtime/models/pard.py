@@ -1,6 +1,6 @@
 """PARD parallel drafter (AMD, arXiv 2504.18583): an ordinary HF causal LM that drafts K tokens in one forward.
 
-Checkpoint format (``amd/PARD-Llama-3.2-1B``, ``amd/PARD-Qwen3-0.6B`` and peers; ../shared/reference/drafters.md
+Checkpoint format (``amd/PARD-Llama-3.2-1B``, ``amd/PARD-Qwen3-0.6B`` and peers; docs/reference/drafters.md
 §2.3, §6.2): a standard Llama / Qwen2 / Qwen3 ``config.json`` plus ``pard_token`` (the mask id; vLLM also reads
 ``ptd_token_id``) and optionally ``spd_type: "pard"``; safetensors with HF keys ``model.embed_tokens``,
 ``model.layers.{i}.*``, ``model.norm``, ``lm_head`` (absent when ``tie_word_embeddings``). The model is built with
@@ -10,7 +10,7 @@ q/k norms, sliding windows) is computed exactly as upstream.
 Drafting (``PardInfer.generate``): input = the committed tokens not yet in the drafter's cache, ending with the last
 real token, then K-1 ``pard_token`` slots, at contiguous positions under the ordinary causal mask; the last K rows'
 logits are the K draft tokens; the drafter cache is then rewound to drop the mask slots. N of a query row = its
-position + 1 (causal), so beta differs per row (design.md §1).
+position + 1 (causal), so beta differs per row (docs/design.md §1).
 
 sharpdraft extensions, for demo drafters of targets without a spare id or whose embedding is large:
 - ``pard_token == vocab_size`` with an extra tensor ``mask_embedding`` ``[hidden]``: slots holding the mask id are

@@ -1,5 +1,5 @@
 """The speculative loop on scripted backends (fixed logits tables): issue 3's cases 1, 4, 5, 6 and the stop,
-length and ragged-batch rules, with design.md §5's invariants asserted after every round (check_invariants)."""
+length and ragged-batch rules, with docs/design.md §5's invariants asserted after every round (check_invariants)."""
 import numpy as np
 import pytest
 
