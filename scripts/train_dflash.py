@@ -324,7 +324,10 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     loss_kw = {"label_map": label_map, "slot_decay": slot_decay}
     ckpt_path = work / "ckpt.pt"
     state = {"step": 0, "seconds": 0.0, "log": []}
-    if init_from is not None and not ckpt_path.exists():
+    ck = torch.load(ckpt_path) if ckpt_path.exists() else None
+    if ck is not None:  # resume with the run's own config (extra fields of an --init-from folder included)
+        d = DFlashDrafter(DFlashConfig.from_dict(ck["config"]))
+    elif init_from is not None:
         from runtime.models.dflash import load_dflash
 
         d = load_dflash(init_from)
@@ -334,8 +337,7 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         d = make_drafter(target, layers)
     del target
     opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    if ckpt_path.exists():
-        ck = torch.load(ckpt_path)
+    if ck is not None:
         d.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         state = ck["state"]

@@ -184,3 +184,41 @@ def test_sample_anchors_from_the_generated_part():
     assert u.numel() == 16 and u.min() >= 1
     short = sample_anchors(rng, {"ids": torch.zeros(5, dtype=torch.int32), "prompt_len": 2}, 32, gen_frac=1.0)
     assert short.tolist() == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_resumed_run_keeps_the_checkpoint_config(tmp_path):
+    """A second `train` call on a run that began with --init-from rebuilds the drafter from the checkpoint's own
+    config, so the init folder's extra fields (the verify default) survive into `save`."""
+    import json
+
+    from click.testing import CliRunner
+
+    from scripts.train_dflash import cli
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=576, num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
+                       head_dim=64, intermediate_size=128, vocab_size=49152, block_size=BLOCK, mask_token_id=49152,
+                       target_layer_ids=[1, 14, 27], num_target_layers=30, rope_theta=100000.0,
+                       max_position_embeddings=2048)
+    d = DFlashDrafter(cfg)
+    d.config.extra["sharpdraft_verify_draft_tokens"] = 3
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    recs = [{"ids": torch.randint(0, 49152, (30,), generator=g, dtype=torch.int32),
+             "taps": torch.randn(30, 1728, generator=g).to(torch.bfloat16),
+             "labels": torch.randint(0, 49152, (30,), generator=g, dtype=torch.int32)} for _ in range(80)]
+    torch.save({"kind": "text", "seq_len": 30, "records": recs}, work / "data" / "shard_00000.pt")
+    opt = torch.optim.AdamW(d.parameters())
+    torch.save({"model": d.state_dict(), "opt": opt.state_dict(), "config": d.config.to_dict(),
+                "state": {"step": 5, "seconds": 1.0, "log": [], "calls": []}}, work / "ckpt.pt")
+    res = CliRunner().invoke(cli, ["train", "--work", str(work), "--minutes", "0.01", "--save-every", "1",
+                                   "--anchors", "4", "--seqs-per-step", "1"])
+    assert res.exit_code == 0, res.output
+    ck = torch.load(work / "ckpt.pt")
+    assert ck["state"]["step"] > 5 and ck["config"]["sharpdraft_verify_draft_tokens"] == 3
+    assert ck["config"]["num_hidden_layers"] == 1  # not rebuilt as a fresh 2-layer drafter
+    res = CliRunner().invoke(cli, ["save", "--work", str(work), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sharpdraft_verify_draft_tokens"] == 3
