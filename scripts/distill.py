@@ -33,6 +33,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import numpy as np
@@ -41,6 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.ort_engines import OrtTarget, bind_shared, run_shared  # noqa: E402
 from scripts.corpus import documents, instruction_conversations  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CORPUS = Path("corpora/smollm2-135m-int4")
 SHARD_SEQS = 32
@@ -75,6 +79,22 @@ def work_items(seed: int, doc_frac: float, tok, seq_len: int, new_tokens: int) -
     for i, it in enumerate(items):
         it["id"] = i
     return items
+
+
+def load_served_target(engine_dir: Path, threads: int) -> tuple[OrtTarget, "PreTrainedTokenizerBase"]:
+    """The target graph of an engines/ folder (manifest and checksums checked) and its tokenizer; the drafter graph
+    and its borrowed tables are not loaded.
+
+    Raises:
+        runtime.manifest.EngineDirError: the folder is incomplete or does not match its manifest.
+    """
+    from transformers import AutoTokenizer
+
+    from runtime.manifest import load_manifest
+
+    manifest = load_manifest(engine_dir)
+    tok = AutoTokenizer.from_pretrained(engine_dir / manifest["tokenizer"]["dir"])
+    return OrtTarget(engine_dir, manifest, threads=threads), tok
 
 
 class BatchDecoder:
@@ -192,10 +212,7 @@ def cli():
 def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slots: int, seed: int, doc_frac: float,
              seq_len: int, new_tokens: int, threads: int):
     """Greedy-decode training items with the served target; append token and feature shards (resumable)."""
-    from runtime.engine import SpecEngine
-
-    engine = SpecEngine.from_dir(engine_dir, threads=threads)
-    tok, target = engine.tokenizer, engine.target
+    target, tok = load_served_target(engine_dir, threads)
     eos = tok.eos_token_id
     corpus.mkdir(parents=True, exist_ok=True)
     feat_dir.mkdir(parents=True, exist_ok=True)
@@ -284,10 +301,7 @@ def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slo
 def features(engine_dir: Path, corpus: Path, feat_dir: Path, threads: int):
     """Recompute feature shards from the token shards: one teacher-forced target pass per sequence (skips shards
     whose features exist)."""
-    from runtime.engine import SpecEngine
-
-    engine = SpecEngine.from_dir(engine_dir, threads=threads)
-    target = engine.target
+    target, _ = load_served_target(engine_dir, threads)
     feat_dir.mkdir(parents=True, exist_ok=True)
     for f in sorted(corpus.glob("shard_*.safetensors")):
         out = feat_dir / f"{f.name.split('.')[0]}.pt"

@@ -95,16 +95,13 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
                "draft_tokens": draft_tokens if draft_tokens is not None else engine.default_draft_tokens,
                "query_scale": engine.manifest["query_scale"],
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
-               "mal_by_kind": {k: round(statistics.mean(r["mal"] for r in rows if prompt_kind(r["prompt"]) == k), 4)
-                               for k in ("prose", "code", "chat")},
+               "mal_by_kind": mean_by_kind(rows, "mal"),
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),
                "speedup_geomean": round(statistics.geometric_mean(r["spec_tok_s"] / r["target_tok_s"]
                                                                   for r in rows), 4),
                "rows": rows}
     if compare_query_scale:
-        summary["mal_by_kind_frozen"] = {
-            k: round(statistics.mean(r["mal_frozen"] for r in rows if prompt_kind(r["prompt"]) == k), 4)
-            for k in ("prose", "code", "chat")}
+        summary["mal_by_kind_frozen"] = mean_by_kind(rows, "mal_frozen")
         summary["mal_documents_frozen"] = round(statistics.mean(r["mal_frozen"] for r in doc_rows), 4)
         summary["mal_all_frozen"] = round(statistics.mean(r["mal_frozen"] for r in rows), 4)
     click.echo("mean MAL by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["mal_by_kind"].items()))
@@ -121,6 +118,12 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
 def prompt_kind(name: str) -> str:
     """"prose" (a held-out play), "code" (a held-out stdlib module) or "chat" (a held-out chat prompt)."""
     return "chat" if name.startswith("chat") else "code" if name.endswith(".py") else "prose"
+
+
+def mean_by_kind(rows: list[dict], key: str) -> dict[str, float]:
+    """{kind: mean of ``row[key]``} over the rows of each :func:`prompt_kind` present."""
+    kinds = [k for k in ("prose", "code", "chat") if any(prompt_kind(r["prompt"]) == k for r in rows)]
+    return {k: round(statistics.mean(r[key] for r in rows if prompt_kind(r["prompt"]) == k), 4) for k in kinds}
 
 
 if __name__ == "__main__":

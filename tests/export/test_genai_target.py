@@ -16,11 +16,6 @@ from runtime.shared_tables import load_shared_table
 pytest.importorskip("onnxruntime_genai")
 
 
-@pytest.fixture(scope="module")
-def int4_engines(tiny_int4_engines):
-    return tiny_int4_engines
-
-
 def test_builder_taps_follow_the_residual_stream_convention():
     # sharpdraft tap id i = hidden_states[i + 1] = the stream entering layer i + 1 (the builder's index)
     assert builder_taps([1, 14, 27], 30) == [2, 15, 28]
@@ -28,8 +23,8 @@ def test_builder_taps_follow_the_residual_stream_convention():
         builder_taps([28, 29], 30)  # layer 29's output is hidden_states[30], after the final norm
 
 
-def test_manifest_describes_the_shared_kv_graph(int4_engines):
-    m = json.loads((int4_engines / "manifest.json").read_text())
+def test_manifest_describes_the_shared_kv_graph(tiny_int4_engines):
+    m = json.loads((tiny_int4_engines / "manifest.json").read_text())
     g = m["graphs"]["target"]
     assert (g["kv_io"], g["precision"], g["min_q_len"]) == ("shared", "int4", 2)
     assert g["inputs"][:2] == ["input_ids", "attention_mask"] and "aux_hidden_states" in g["outputs"]
@@ -38,17 +33,17 @@ def test_manifest_describes_the_shared_kv_graph(int4_engines):
     assert v["max_abs_diff_cached_vs_full"] <= v["atol"] and v["max_abs_diff_after_rollback"] <= v["atol"]
     # each tap matches its own transformers layer better than both neighbours (no off-by-one)
     assert all(c > max(n) for c, n in zip(v["tap_cosine"], v["tap_cosine_neighbours"]))
-    assert json.loads((int4_engines / "target" / "BUILD.json").read_text())["precision"] == "int4"
+    assert json.loads((tiny_int4_engines / "target" / "BUILD.json").read_text())["precision"] == "int4"
 
 
-def test_dequantized_lm_head_is_the_int4_rounding_of_the_fp32_weights(int4_engines, tiny_target_dir):
+def test_dequantized_lm_head_is_the_int4_rounding_of_the_fp32_weights(tiny_int4_engines, tiny_target_dir):
     from safetensors.torch import load_file
 
-    m = json.loads((int4_engines / "manifest.json").read_text())
+    m = json.loads((tiny_int4_engines / "manifest.json").read_text())
     spec = m["shared_weights"]["lm_head_weight"]
     assert spec["quantized"]["op"] == "MatMulNBits"
     w = load_file(str(tiny_target_dir / "model.safetensors"))["lm_head.weight"].numpy()
-    deq = load_shared_table(int4_engines / "target" / "model.onnx", spec)
+    deq = load_shared_table(tiny_int4_engines / "target" / "model.onnx", spec)
     assert deq.shape == w.shape and deq.dtype == np.float32
     blocks = np.abs(w.reshape(w.shape[0], -1, 32)).max(-1, keepdims=True)  # block 32 along hidden
     err = np.abs(deq - w).reshape(blocks.shape[0], -1, 32)
@@ -56,8 +51,8 @@ def test_dequantized_lm_head_is_the_int4_rounding_of_the_fp32_weights(int4_engin
     assert 0 < err.mean() < np.abs(w).mean() / 4  # quantized, not a copy, and close
 
 
-def test_speculative_equals_target_only_on_the_int4_graph(int4_engines):
-    engine = SpecEngine.from_dir(int4_engines, check_invariants=True)
+def test_speculative_equals_target_only_on_the_int4_graph(tiny_int4_engines):
+    engine = SpecEngine.from_dir(tiny_int4_engines, check_invariants=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (1, 7, 40, 300)]
     for ids in prompts:
@@ -72,8 +67,8 @@ def test_speculative_equals_target_only_on_the_int4_graph(int4_engines):
     assert len(outs[-1].token_ids) == 16
 
 
-def test_shared_cache_rollback_is_a_length_change(int4_engines):
-    engine = SpecEngine.from_dir(int4_engines)
+def test_shared_cache_rollback_is_a_length_change(tiny_int4_engines):
+    engine = SpecEngine.from_dir(tiny_int4_engines)
     t = engine.target
     cache = t.new_cache()
     t.prefill(cache, list(range(10, 60)))
@@ -143,11 +138,11 @@ def test_bad_precision_options_are_refused_before_any_work(tmp_path):
         ExportConfig(family="dflash", out=tmp_path / "e", accuracy_level=7)
 
 
-def test_torch_backend_refuses_a_quantized_folder(int4_engines):
+def test_torch_backend_refuses_a_quantized_folder(tiny_int4_engines):
     from runtime.manifest import EngineDirError
 
     with pytest.raises(EngineDirError, match="torch backend rebuilds the fp32 target"):
-        SpecEngine.from_dir(int4_engines, backend="torch")
+        SpecEngine.from_dir(tiny_int4_engines, backend="torch")
 
 
 @pytest.mark.parametrize("family", ["pard", "eagle3"])
