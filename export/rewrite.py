@@ -11,6 +11,7 @@ Pipeline (each step's output feeds the next; rules are independent of each other
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 from pathlib import Path
@@ -43,7 +44,18 @@ class _Collected:
     rejected: list[tuple[str, str, MatchFailure]] = dataclasses.field(default_factory=list)  # (rule, node, why)
 
 
-NUM_KEYS_FROM = ("key_length", "key_mask", "score_mask")
+class NumKeysFrom(str, enum.Enum):
+    """Where the in-graph beta reads N (see :func:`insert_query_scale`). A ``str`` enum: equal to its value."""
+
+    KEY_LENGTH = "key_length"  # one N per graph: a Shape of the keys (single-sequence graphs)
+    KEY_MASK = "key_mask"  # per batch row: the sum of a [batch, keys] key-mask input (DFlash blocks)
+    SCORE_MASK = "score_mask"  # per query row: the keys each attention's own score mask shows (causal drafters)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+NUM_KEYS_FROM = tuple(NumKeysFrom)
 MODE_METADATA_KEY = "sharpdraft.query_scale.num_keys_from"
 
 
@@ -174,7 +186,9 @@ def remove_query_scale(model: ir.Model) -> int:
 def _resolve_mode(num_keys_from: str | None, num_keys_input: str | None, row_switch_input: str | None) -> str:
     mode = num_keys_from if num_keys_from is not None else ("key_mask" if num_keys_input is not None else "key_length")
     if mode not in NUM_KEYS_FROM:
-        raise ValueError(f"num_keys_from must be one of {NUM_KEYS_FROM}, got {num_keys_from!r}")
+        raise ValueError(f"num_keys_from must be one of {', '.join(m.value for m in NumKeysFrom)}, got "
+                         f"{num_keys_from!r}")
+    mode = NumKeysFrom(mode).value
     if mode == "key_mask" and num_keys_input is None:
         raise ValueError("num_keys_from='key_mask' needs num_keys_input (the [batch, keys] key-mask input's name)")
     if mode != "key_mask" and num_keys_input is not None:

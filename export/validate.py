@@ -13,6 +13,7 @@ import torch
 
 from plugins.rule import QueryScaleProfile, beta_torch
 from runtime.models.dflash import DFlashDrafter
+from runtime.ragged import dflash_block
 
 TARGET_ATOL = 2e-3  # fp32 logits, 30 layers: ORT vs torch differ by reassociation only (measured ~1e-4)
 DRAFTER_ATOL = 2e-3
@@ -225,14 +226,11 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         """One ORT call over the cases as a batch, caches right-padded to the longest and masked."""
         lens = [c["past"][0].shape[2] for c in cases]
         l_max = max(lens) + spare
-        mask = np.zeros((len(cases), l_max + ctx + blk), np.int64)
         feed = {"input_ids": np.concatenate([c["ids"].numpy() for c in cases]),
                 "target_hidden": np.concatenate([c["th"].numpy() for c in cases]),
                 "position_ids": np.concatenate([c["pos"].numpy() for c in cases]),
                 "embed_weight": embed.numpy(), "lm_head_weight": lm_head.numpy()}
-        for r, n in enumerate(lens):
-            mask[r, :n] = 1
-            mask[r, l_max:] = 1
+        _, mask = dflash_block(lens, [ctx] * len(cases), l_max, blk)
         feed["attention_mask"] = mask
         if has_switch:
             feed["query_scale_enabled"] = np.asarray(switch or [1.0] * len(cases), np.float32)
@@ -316,12 +314,7 @@ def validate_fused_drafter(fused: Path, portable: Path, io: dict, cfg, profile: 
         l_max, b = max(lens), len(n_keys)
         ids = np.full((b, blk), cfg.mask_token_id, np.int64)
         ids[:, 0] = rng.integers(0, cfg.vocab_size, b)
-        mask = np.zeros((b, l_max + ctx + blk), np.int64)
-        pos = np.zeros((b, ctx + blk), np.int64)
-        for r, n in enumerate(lens):
-            mask[r, :n] = 1
-            mask[r, l_max:] = 1
-            pos[r] = np.arange(n, n + ctx + blk)
+        pos, mask = dflash_block(lens, [ctx] * b, l_max, blk)
         out = {"input_ids": ids, "target_hidden": rng.standard_normal((b, ctx, f), np.float32) * 3,
                "position_ids": pos, "attention_mask": mask, "embed_weight": embed, "lm_head_weight": lm_head}
         for name in past_names:

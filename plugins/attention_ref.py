@@ -21,6 +21,13 @@ import torch
 
 from plugins.rule import QueryScaleProfile, beta_torch
 
+# The fused op's identity, shared by the ONNX fusion pass (export/fuse.py), the ORT custom op (plugins/ort_op.py) and
+# the TensorRT plugin (plugins/tensorrt_plugin.py): node ``sharpdraft::QueryScaledAttention``, opset version 1.
+DOMAIN = "sharpdraft"
+OP_TYPE = "QueryScaledAttention"
+OP_VERSION = 1
+PLUGIN_NAME = f"{DOMAIN}::{OP_TYPE}"  # tensorrt.plugin registration name
+
 
 def visible_keys(kv_lens: torch.Tensor, q_len: int, causal: bool, window: int | None = None) -> torch.Tensor:
     """N per (batch, query row): int64 ``[batch, q_len]``.

@@ -28,8 +28,7 @@ def register() -> None:
     import torch
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
-    from export.fuse import OP_TYPE
-    from plugins.attention_ref import attention_ref
+    from plugins.attention_ref import OP_TYPE, attention_ref
     from plugins.rule import QueryScaleProfile
 
     f, i32, i64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
@@ -60,7 +59,7 @@ def session(path: str | Path, threads: int | None = None):
     import onnxruntime as ort
     from onnxruntime_extensions import get_library_path
 
-    from export.fuse import DOMAIN
+    from plugins.attention_ref import DOMAIN
 
     register()
     model = onnx.load(str(path))  # with external data

@@ -11,6 +11,7 @@ the rest of the project are all generated from (or tested against) :func:`beta`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
@@ -20,9 +21,36 @@ DEFAULT_TOP_K = 32
 DEFAULT_SLOPE = 5.0
 DEFAULT_CAP = math.exp(0.5)  # e^0.5 ~= 1.6487212707
 
+
+
+class Family(str, enum.Enum):
+    """The drafter families sharpdraft exports and serves (the ``--drafter`` choices and the manifest's
+    ``drafter.family``). A ``str`` enum: ``Family.DFLASH == "dflash"`` and it writes to JSON as ``"dflash"``. Everything
+    else that differs between families lives on one object per family (export/families/)."""
+
+    DFLASH = "dflash"
+    PARD = "pard"
+    EAGLE3 = "eagle3"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # as its value's: a member and its string are the same dict key
+        return hash(self.value)
+
+    @classmethod
+    def parse(cls, name: "str | Family") -> "Family":
+        """``Family(name)`` with an error that lists the choices. Raises ValueError."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown drafter family {name!r}; choose one of "
+                             f"{', '.join(f.value for f in cls)}") from None
+
+
 # ref_keys per drafter family: DFlash and PARD from the paper's primary runs; EAGLE-3 heads are trained at 2048
 # positions, the analogous default (see docs/reference/drafters.md §5).
-FAMILY_REF_KEYS = {"dflash": 2048, "pard": 8192, "eagle3": 2048}
+FAMILY_REF_KEYS = {Family.DFLASH: 2048, Family.PARD: 8192, Family.EAGLE3: 2048}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,7 +68,7 @@ class QueryScaleProfile:
         ValueError: on non-finite, non-positive or inconsistent values, saying which field and what it got.
     """
 
-    ref_keys: int = FAMILY_REF_KEYS["dflash"]
+    ref_keys: int = FAMILY_REF_KEYS[Family.DFLASH]
     top_k: int = DEFAULT_TOP_K
     slope: float = DEFAULT_SLOPE
     cap: float = DEFAULT_CAP
@@ -59,11 +87,14 @@ class QueryScaleProfile:
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
 
     @classmethod
-    def for_family(cls, family: str, **overrides: Any) -> "QueryScaleProfile":
-        """The preset for a drafter family ("dflash", "pard", "eagle3"), with optional field overrides."""
-        if family not in FAMILY_REF_KEYS:
-            raise ValueError(f"unknown drafter family {family!r}; expected one of {sorted(FAMILY_REF_KEYS)}")
-        fields = {"ref_keys": FAMILY_REF_KEYS[family], **{k: v for k, v in overrides.items() if v is not None}}
+    def for_family(cls, family: "Family | str", **overrides: Any) -> "QueryScaleProfile":
+        """The preset for a drafter family (:class:`Family` or its name), with optional field overrides.
+
+        Raises:
+            ValueError: an unknown family, or an override out of range.
+        """
+        fields = {"ref_keys": FAMILY_REF_KEYS[Family.parse(family)],
+                  **{k: v for k, v in overrides.items() if v is not None}}
         return cls(**fields)
 
     @classmethod

@@ -64,7 +64,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from plugins.rule import QueryScaleProfile, beta_torch
+from plugins.rule import Family, QueryScaleProfile, beta_torch
 from plugins.trtllm_tables import logn_scaling_table
 
 SUPPORTED = (
@@ -72,7 +72,7 @@ SUPPORTED = (
     "models/modeling_dflash.py @7c7504c0, attention/attention.py @930bd1a7, "
     "attention/backends/fmha/interface.py @b0a6e828)"
 )
-FAMILIES = ("dflash", "pard", "eagle3")
+FAMILIES = tuple(f.value for f in Family)
 ROUTES = ("multiply", "logn_table")
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,23 +91,28 @@ FMHA_INTERFACE_MODULES = (
 class DrafterHook:
     """One drafter family: the class whose ``method`` is wrapped, and the classes that must exist next to it."""
 
-    family: str
+    family: Family
     module: str
     cls: str
     method: str
     also_required: tuple[str, ...] = ()
     unsupported_attention: tuple[str, ...] = ()  # attention classes found in the drafter that we refuse to patch
+    # True: the family's block decode calls its kernels itself; ``method`` (on the class) is wrapped and beta is
+    # multiplied into q there ("multiply" route only). False: the drafter's Attention instances are patched after
+    # ``method`` (``__init__``) and either route applies.
+    block_decode: bool = False
 
 
-DRAFTER_HOOKS: dict[str, DrafterHook] = {
+DRAFTER_HOOKS: dict[Family, DrafterHook] = {
     # Eagle3DraftModel builds Eagle3DecoderLayer -> Eagle3Attention; patched per instance after __init__.
-    "eagle3": DrafterHook("eagle3", SPECULATIVE_MODULE, "Eagle3DraftModel", "__init__",
-                          also_required=("Eagle3Attention", "Eagle3DecoderLayer"),
-                          unsupported_attention=("Eagle3MLAttention",)),
+    Family.EAGLE3: DrafterHook(Family.EAGLE3, SPECULATIVE_MODULE, "Eagle3DraftModel", "__init__",
+                               also_required=("Eagle3Attention", "Eagle3DecoderLayer"),
+                               unsupported_attention=("Eagle3MLAttention",)),
     # PARD's drafter is the target architecture's own class: patch only the instances inside PARDForCausalLM.
-    "pard": DrafterHook("pard", SPECULATIVE_MODULE, "PARDForCausalLM", "__init__"),
+    Family.PARD: DrafterHook(Family.PARD, SPECULATIVE_MODULE, "PARDForCausalLM", "__init__"),
     # DFlash's block decode calls its kernels itself: wrap dflash_forward (class-level, drafter-only class).
-    "dflash": DrafterHook("dflash", DFLASH_MODULE, "DFlashForCausalLM", "dflash_forward"),
+    Family.DFLASH: DrafterHook(Family.DFLASH, DFLASH_MODULE, "DFlashForCausalLM", "dflash_forward",
+                               block_decode=True),
 }
 
 # Attention methods that return q after q-norm and (unfused) RoPE; the first one the class has is wrapped.
@@ -564,7 +569,7 @@ def install_query_scale(profile_by_family: Mapping[str, QueryScaleProfile] | Non
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     profiles = dict(profile_by_family) if profile_by_family is not None else {
-        f: QueryScaleProfile.for_family(f) for f in FAMILIES}
+        f: QueryScaleProfile.for_family(f) for f in Family}
     for fam, prof in profiles.items():
         if fam not in FAMILIES:
             raise ValueError(f"unknown drafter family {fam!r}; expected a subset of {FAMILIES}")
@@ -585,11 +590,12 @@ def install_query_scale(profile_by_family: Mapping[str, QueryScaleProfile] | Non
         # Resolve everything first: a missing piece raises before anything is patched.
         classes = {fam: _resolve(DRAFTER_HOOKS[fam], version) for fam in profiles}
         attention_base = None
-        if {"pard", "eagle3"} & profiles.keys():
+        per_instance = [fam for fam in profiles if not DRAFTER_HOOKS[fam].block_decode]
+        if per_instance:
             attention_base = _first_attr(ATTENTION_MODULES, "Attention", version)
             _check_attention_base(attention_base, version)
         fmha_params = None
-        if route == "logn_table" and {"pard", "eagle3"} & profiles.keys():
+        if route == "logn_table" and per_instance:
             fmha_params = _first_attr(FMHA_INTERFACE_MODULES, "FmhaParams", version)
             fields = ({f.name for f in dataclasses.fields(fmha_params)}
                       if dataclasses.is_dataclass(fmha_params) else set())
@@ -599,7 +605,7 @@ def install_query_scale(profile_by_family: Mapping[str, QueryScaleProfile] | Non
             if not callable(getattr(fmha_params, "to_thop_params", None)):
                 raise _structure_error(version, "FmhaParams.to_thop_params")
 
-        routes = {fam: ("multiply" if fam == "dflash" else route) for fam in profiles}
+        routes = {fam: ("multiply" if DRAFTER_HOOKS[fam].block_decode else route) for fam in profiles}
         hooks = {fam: f"{DRAFTER_HOOKS[fam].module}.{DRAFTER_HOOKS[fam].cls}.{DRAFTER_HOOKS[fam].method}"
                  for fam in profiles}
         state = _State(key=key, report=InstallReport(version, routes, hooks, profiles),
@@ -607,7 +613,7 @@ def install_query_scale(profile_by_family: Mapping[str, QueryScaleProfile] | Non
                        logn_len=logn_table_length)
         for fam, cls in classes.items():
             hook = DRAFTER_HOOKS[fam]
-            if fam == "dflash":
+            if hook.block_decode:
                 _patch_class(state, cls, hook.method,
                              _wrap_dflash_forward(cls.__dict__.get(hook.method) or getattr(cls, hook.method),
                                                   profiles[fam], state.counters[fam]))

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from runtime.engine import GenerationResult, SpecEngine
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class StepEvent:
     token_ids: list[int]  # tokens emitted by this step (may be several: accepted drafts + bonus)
     result: GenerationResult | None = None  # set on the last event
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when the request asked
 
 
 class RequestStream:
@@ -116,7 +117,8 @@ class AsyncEngine:
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._waiting: collections.deque[tuple[RequestStream, list[int], SamplingParams]] = collections.deque()
+        self._waiting: collections.deque[tuple[RequestStream, list[int], SamplingParams, str | None]] = \
+            collections.deque()
         self._streams: dict[str, RequestStream] = {}
         self._pending = 0  # submitted, not yet finished (admission control; touched under _lock)
         self._lock = threading.Lock()
@@ -159,16 +161,30 @@ class AsyncEngine:
             QueueFull: max_running + max_waiting requests are already in the system.
             ValueError: the request is invalid (see :meth:`SpecEngine.check_request`); nothing is queued.
         """
-        self.engine.check_request(prompt_ids, params)
+        return self.submit_group(prompt_ids, [params], callback)[0]
+
+    def submit_group(self, prompt_ids: list[int], params: list[SamplingParams],
+                     callback: Callable[[StepEvent], None] | None = None) -> list[RequestStream]:
+        """Queue ``len(params)`` requests on one prompt (the n choices of one OpenAI request), all or none; those
+        admitted in the same step share one prefill (``SpecEngine.add_request(prefill_group=...)``).
+
+        Raises:
+            QueueFull: fewer than ``len(params)`` places are left.
+            ValueError: a request is invalid; nothing is queued.
+        """
+        for p in params:
+            self.engine.check_request(prompt_ids, p)
         loop = asyncio.get_running_loop() if callback is None else None
         with self._lock:
-            if self._pending >= self.max_running + self.max_waiting:
+            if self._pending + len(params) > self.max_running + self.max_waiting:
                 raise QueueFull(self.num_running, self.num_waiting)
-            self._pending += 1
-        stream = RequestStream(f"req-{next(self._ids)}", self, loop, callback)
-        self._commands.put(("add", (stream, list(prompt_ids), params)))
+            self._pending += len(params)
+        group = f"group-{next(self._ids)}" if len(params) > 1 else None
+        streams = [RequestStream(f"req-{next(self._ids)}", self, loop, callback) for _ in params]
+        for stream, p in zip(streams, params):
+            self._commands.put(("add", (stream, list(prompt_ids), p, group)))
         self._wake.set()
-        return stream
+        return streams
 
     # ------------------------------------------------------------ worker side
     def _done(self, stream: RequestStream, event: StepEvent) -> None:
@@ -199,9 +215,9 @@ class AsyncEngine:
 
     def _admit(self) -> None:
         while self._waiting and len(self.engine.sequences) < self.max_running:
-            stream, prompt_ids, params = self._waiting.popleft()
+            stream, prompt_ids, params, group = self._waiting.popleft()
             try:
-                self.engine.add_request(prompt_ids, params, request_id=stream.request_id)
+                self.engine.add_request(prompt_ids, params, request_id=stream.request_id, prefill_group=group)
             except ValueError as e:  # re-validated on the worker; should have been caught at submit
                 self._done(stream, StepEvent([], error=str(e)))
                 continue
@@ -231,10 +247,11 @@ class AsyncEngine:
                 stream = self._streams.get(seq.request_id)
                 if stream is None:
                     continue
+                lps = None if seq.token_logprobs is None or not tokens else seq.token_logprobs[-len(tokens):]
                 if seq.finished:
-                    self._done(stream, StepEvent(tokens, result=seq.result()))
+                    self._done(stream, StepEvent(tokens, result=seq.result(), logprobs=lps))
                 else:
-                    stream._push(StepEvent(tokens))
+                    stream._push(StepEvent(tokens, logprobs=lps))
             if self.on_step is not None:
                 try:
                     self.on_step(outputs, dt)

@@ -17,13 +17,9 @@ over rows of different lengths and different draft counts; a row that finishes l
 dropped at once. Rows whose next block would pass the drafter's max positions (or that asked for no speculation)
 decode target-only in the same batched call (k = 0), still exact.
 
-Backends (duck-typed, see runtime/ort_engines.py, runtime/torch_engines.py and tests/runtime/scripted.py):
-  target:  vocab_size, max_positions, new_cache(), forward(caches, tokens) -> (logits [b, q, V], feats [b, q, F]);
-           optional prefill(cache, tokens) -> (last position's logits [V], feats [n, F]) (chunked prefill)
-  drafter: vocab_size, num_draft_tokens, max_positions, verification, new_cache(), can_draft(committed),
-           draft(caches, bonus_tokens, contexts[, query_scale=[bool per row]]) -> logits [b, K, V_drafter];
-           optional ``context``: "tokens" = each row's committed token ids before x_s (PARD) instead of target
-           features; "features_and_tokens" = (target features, committed token ids) per row (EAGLE-3)
+Backends: runtime/backends.py's ``TargetBackend`` and ``DrafterBackend`` Protocols (runtime/ort_engines.py,
+runtime/torch_engines.py, tests/runtime/scripted.py). A drafter's ``context`` says what it reads: target features
+(DFlash), each row's committed token ids before x_s (PARD), or both (EAGLE-3).
 """
 from __future__ import annotations
 
@@ -36,8 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from runtime.backends import DrafterBackend, TargetBackend, check_backend
 from runtime.metrics import SpecStats
-from runtime.sampling import RowSampler, SamplingParams
+from runtime.modes import Backend, DrafterContext, Verification
+from runtime.draft_length import AdaptiveDraftTokens, DraftTokensByBatch
+from runtime.sampling import RowSampler, SamplingParams, TokenLogprob, token_logprob
 from runtime.stops import StopChecker
 
 
@@ -51,6 +50,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (stop token / stop string) or "length" (max_new_tokens)
     stats: SpecStats
     text: str | None = None  # decoded output (special tokens skipped, cut before a stop string); None without tokenizer
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked (SamplingParams.logprobs)
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,6 +69,10 @@ class Sequence:
     pending_ctx: np.ndarray | None = None  # target features of committed positions the drafter has not cached
     finish_reason: str | None = None
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    token_logprobs: list[TokenLogprob] | None = None  # aligned with ``out`` when the request asked for logprobs
+    adaptive: AdaptiveDraftTokens | None = None  # per-request draft length (runtime/draft_length.py)
+    prefill_group: str | None = None  # requests of one group with the same prompt share one prefill (n > 1)
+    prefill_out: tuple | None = None  # (last logits, features) of this step's prefill, for the group's others
 
     @property
     def committed(self) -> int:
@@ -81,7 +85,8 @@ class Sequence:
 
     def result(self) -> GenerationResult:
         text = self.stopper.text(self.out) if self.stopper.tokenizer is not None else None
-        return GenerationResult(list(self.out), self.finish_reason or "", self.stats, text)
+        lps = None if self.token_logprobs is None else list(self.token_logprobs)
+        return GenerationResult(list(self.out), self.finish_reason or "", self.stats, text, lps)
 
 
 class SpecEngine:
@@ -94,23 +99,34 @@ class SpecEngine:
         verification: "rejection" or "exact_match"; None = the drafter's own choice.
         default_draft_tokens: draft tokens verified per round for requests that do not set num_draft_tokens
             (None = all the drafter drafts; an engines manifest's ``drafter.verify_draft_tokens``).
+        draft_tokens_by_batch: k by the number of rows in a step, for requests that do not set num_draft_tokens
+            (runtime/draft_length.py; None = ``default_draft_tokens`` at any load). Capped at the drafter's K.
+        adaptive_draft_tokens: per request, lower k after rejections and raise it after fully accepted rounds
+            (runtime/draft_length.py), within the request's k.
         check_invariants: assert docs/design.md §5's invariants after every round (tests).
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
                  check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None,
-                 proposable_vocab: int | None = None, default_draft_tokens: int | None = None):
+                 proposable_vocab: int | None = None, default_draft_tokens: int | None = None,
+                 draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False):
+        check_backend(target, TargetBackend)
+        if drafter is not None:
+            check_backend(drafter, DrafterBackend)
         self.target = target
         # ids >= this are padding rows (of the drafter's or the target's head): never proposed as draft tokens
         self.proposable_vocab = min(proposable_vocab or target.vocab_size, target.vocab_size)
         self.drafter = drafter
         self.eos_token_ids = frozenset(eos_token_ids)
         self._tokenizer = tokenizer
-        self.verification = verification or getattr(drafter, "verification", "rejection")
+        self.verification = Verification.parse(verification or (drafter.verification if drafter is not None
+                                                                 else Verification.REJECTION))
         self.check_invariants = check_invariants
         k_max = drafter.num_draft_tokens if drafter is not None else 0
         # draft tokens verified per round when a request does not say (manifest ``verify_draft_tokens``)
         self.default_draft_tokens = min(default_draft_tokens or k_max, k_max)
+        self.draft_tokens_by_batch = draft_tokens_by_batch
+        self.adaptive_draft_tokens = adaptive_draft_tokens
         self.manifest = manifest
         self.engine_dir = engine_dir
         self.sequences: dict[str, Sequence] = {}
@@ -135,11 +151,11 @@ class SpecEngine:
         """
         from runtime.manifest import load_manifest
 
-        if backend not in ("onnxruntime", "torch"):
-            raise ValueError(f"backend must be 'onnxruntime' or 'torch', got {backend!r}")
+        backend = Backend.parse(backend)
         engine_dir = Path(engine_dir)
-        manifest = load_manifest(engine_dir, verify_checksums=verify_checksums and backend == "onnxruntime")
-        if backend == "torch":
+        onnx = backend == Backend.ONNXRUNTIME
+        manifest = load_manifest(engine_dir, verify_checksums=verify_checksums and onnx, require_graphs=onnx)
+        if backend == Backend.TORCH:
             from runtime.torch_engines import torch_pair_from_manifest
 
             threads = threads or int(os.environ.get("SHARPDRAFT_THREADS", 0))
@@ -149,20 +165,14 @@ class SpecEngine:
                 torch.set_num_threads(threads)
             target, drafter = torch_pair_from_manifest(manifest, device, base_dir=engine_dir)
         else:
-            from runtime.ort_engines import OrtDFlashDrafter, OrtEagle3Drafter, OrtPardDrafter, OrtTarget
+            from runtime.ort_engines import OrtTarget, ort_drafter_class
 
             target = OrtTarget(engine_dir, manifest, device, threads)
-            family = manifest["drafter"].get("family", "dflash")
-            drafter_cls = {"dflash": OrtDFlashDrafter, "pard": OrtPardDrafter, "eagle3": OrtEagle3Drafter}.get(family)
-            if drafter_cls is None:
-                from runtime.manifest import EngineDirError
-
-                raise EngineDirError(f"{engine_dir}: drafter family {family!r} is not supported by this runtime")
-            drafter = drafter_cls(engine_dir, manifest, device, threads)
+            drafter = ort_drafter_class(manifest["drafter"]["family"])(engine_dir, manifest, device, threads)
         return cls(target, drafter, eos_token_ids=manifest["tokenizer"]["eos_token_ids"],
                    check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir,
                    proposable_vocab=manifest["tokenizer"]["vocab_size"],
-                   default_draft_tokens=manifest["drafter"].get("verify_draft_tokens"))
+                   default_draft_tokens=manifest["drafter"]["verify_draft_tokens"])
 
     @property
     def tokenizer(self):
@@ -203,13 +213,17 @@ class SpecEngine:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds the drafter's {k_max}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass stop_token_ids instead")
-        if not params.query_scale and self.drafter is not None and getattr(self.drafter, "query_scaled", False) \
-                and not getattr(self.drafter, "query_scale_switch", False):
+        if not params.query_scale and self.drafter is not None and self.drafter.query_scaled \
+                and not self.drafter.query_scale_switch:
             raise ValueError("this engines folder has no per-request query-scale switch (exported by an older "
                              "sharpdraft); re-export it with sharpdraft-export to use query_scale=false")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prefill_group: str | None = None) -> Sequence:
         """Queue a request; its prefill runs at the next :meth:`step`.
+
+        ``prefill_group``: requests of one group with the same prompt whose prefills fall in the same step run one
+        prefill and copy its cache (the n samples of one OpenAI request); the others sample their own first token.
 
         Raises:
             ValueError: see :meth:`check_request`; or a duplicate request id.
@@ -225,6 +239,11 @@ class SpecEngine:
                        StopChecker(params, self.eos_token_ids, self.tokenizer),
                        self.target.new_cache(), self.drafter.new_cache() if self.drafter is not None else None, k)
         seq.stats.num_draft_tokens_per_round = k
+        seq.prefill_group = prefill_group
+        if params.logprobs is not None:
+            seq.token_logprobs = []
+        if self.adaptive_draft_tokens and k > 0:
+            seq.adaptive = AdaptiveDraftTokens(k)
         self.sequences[request_id] = seq
         return seq
 
@@ -246,7 +265,18 @@ class SpecEngine:
         """
         seqs = list(self.sequences.values())
         fresh = [s for s in seqs if not s.out]
-        emitted = [(s, self._prefill(s)) for s in fresh]
+        emitted, leaders = [], {}
+        for s in fresh:
+            key = None if s.prefill_group is None else (s.prefill_group, tuple(s.prompt_ids))
+            leader = leaders.get(key)
+            if leader is not None and hasattr(leader.target_cache, "fork"):
+                emitted.append((s, self._prefill_from(leader, s)))
+            else:
+                emitted.append((s, self._prefill(s, keep=key is not None)))
+                if key is not None:
+                    leaders[key] = s
+        for s in leaders.values():
+            s.prefill_out = None
         running = [s for s in seqs if s.out and not s.finished and s not in fresh]
         if running:
             emitted.extend(self._round(running))
@@ -255,7 +285,7 @@ class SpecEngine:
                 self.sequences.pop(seq.request_id, None)
         return emitted
 
-    def _prefill(self, seq: Sequence) -> list[int]:
+    def _prefill(self, seq: Sequence, keep: bool = False) -> list[int]:
         t0 = time.perf_counter()
         n = len(seq.prompt_ids)
         if hasattr(self.target, "prefill"):  # chunked (bounded memory), last position's logits only
@@ -263,8 +293,24 @@ class SpecEngine:
         else:
             logits, feats = self.target.forward([seq.target_cache], [seq.prompt_ids])
             last, feats = logits[0, n - 1], feats[0]
+        if keep:  # the other requests of its prefill group copy this step's result
+            seq.prefill_out = (last, feats)
+        return self._first_token(seq, last, feats, t0)
+
+    def _prefill_from(self, leader: Sequence, seq: Sequence) -> list[int]:
+        """``seq``'s prefill as a copy of ``leader``'s (same prompt, same step): its cache forked, its own first
+        token sampled from the same logits."""
+        t0 = time.perf_counter()
+        seq.target_cache = leader.target_cache.fork()
+        last, feats = leader.prefill_out
+        return self._first_token(seq, last, feats, t0)
+
+    def _first_token(self, seq: Sequence, last: np.ndarray, feats: np.ndarray, t0: float) -> list[int]:
+        n = len(seq.prompt_ids)
         token = seq.sampler.next_token(last)
         seq.finish_reason = seq.stopper.extend(seq.out, [token])
+        if seq.token_logprobs is not None and seq.out:
+            seq.token_logprobs.append(token_logprob(last, token, seq.params))
         # the drafter's context (target features of positions it has not cached); a row that never drafts keeps
         # none, so target-only decoding does not copy a growing [length, F] array every step
         seq.pending_ctx = feats[:n] if seq.num_draft_tokens > 0 else None
@@ -275,9 +321,16 @@ class SpecEngine:
     def _round(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         t0 = time.perf_counter()
         ks = []
+        by_load = None if self.draft_tokens_by_batch is None or self.drafter is None else \
+            min(self.draft_tokens_by_batch(len(seqs)), self.drafter.num_draft_tokens)
         for s in seqs:
             remaining = s.params.max_new_tokens - len(s.out)  # >= 1
-            k = min(s.num_draft_tokens, remaining - 1)
+            k = s.num_draft_tokens
+            if k > 0 and by_load is not None and s.params.num_draft_tokens is None:  # the request's own k wins
+                k = by_load
+            if k > 0 and s.adaptive is not None:
+                k = min(k, s.adaptive.k)
+            k = min(k, remaining - 1)
             if k > 0 and not self.drafter.can_draft(s.committed):
                 k = 0  # past the drafter's positions: this row continues target-only (exact)
             ks.append(k)
@@ -286,10 +339,10 @@ class SpecEngine:
         qs: list[np.ndarray | None] = [None] * len(seqs)
         if drafting:
             rows = [seqs[i] for i in drafting]
-            kind = getattr(self.drafter, "context", "target_features")
-            if kind == "tokens":  # PARD: committed token ids
+            kind = self.drafter.context
+            if kind == DrafterContext.TOKENS:  # PARD: committed token ids
                 contexts = [np.asarray(s.prompt_ids + s.out[:-1], np.int64) for s in rows]
-            elif kind == "features_and_tokens":  # EAGLE-3: (features not cached yet, committed token ids)
+            elif kind == DrafterContext.FEATURES_AND_TOKENS:  # EAGLE-3: (features not cached yet, committed token ids)
                 contexts = [(s.pending_ctx, np.asarray(s.prompt_ids + s.out[:-1], np.int64)) for s in rows]
             else:  # DFlash: target features of the positions the drafter has not cached
                 contexts = [s.pending_ctx for s in rows]
@@ -312,8 +365,13 @@ class SpecEngine:
             before = len(s.out)
             s.finish_reason = s.stopper.extend(s.out, new)
             n_new = len(s.out) - before
+            if s.token_logprobs is not None:  # emitted token j was drawn from verify row j (trimmed like the ids)
+                s.token_logprobs.extend(token_logprob(logits[r, j], s.out[before + j], s.params)
+                                        for j in range(n_new))
             if k > 0:
                 s.stats.record_round(min(accepted, n_new), k)
+                if s.adaptive is not None:
+                    s.adaptive.update(k, accepted)
             s.stats.draft_s += t1 - t0
             s.stats.verify_s += t2 - t1
             s.stats.new_tokens = len(s.out)
@@ -346,7 +404,7 @@ class SpecEngine:
         """Invariants after every round (docs/design.md §5)."""
         if s.target_cache.length != s.committed:
             raise InvariantError(f"target KV length {s.target_cache.length} != committed tokens {s.committed}")
-        if self.drafter is not None and getattr(self.drafter, "context", "target_features") == "tokens":
+        if self.drafter is not None and self.drafter.context == DrafterContext.TOKENS:
             if s.drafter_cache.length > s.committed:  # PARD caches committed tokens only (mask slots dropped)
                 raise InvariantError(f"drafter cache {s.drafter_cache.length} holds more than the committed tokens "
                                      f"{s.committed}: unverified (mask) K/V were kept")

@@ -70,12 +70,16 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "
                f"draft position: {[round(a, 2) for a in s.acceptance_per_position]}")
     click.echo(f"speculative: {s.tokens_per_s:.1f} tokens/s (draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s)")
-    precision = engine.manifest["target"].get("precision", "fp32")
+    precision = engine.manifest["target"]["precision"]
     click.echo(f"target-only: {b.tokens_per_s:.1f} tokens/s (the same {precision} target graph, no drafter)")
     if plain is not None:
         click.echo(f"target-only with 1-token steps (as ONNX Runtime GenAI decodes; rounds differently, "
                    f"docs/quantized-target.md): {plain.stats.tokens_per_s:.1f} tokens/s")
     click.echo(f"speedup over target-only: {speedup:.2f}x")
+    if s.rounds >= 4 and s.mean_accepted_length < 1.05:
+        click.echo("note: the target accepted (almost) no draft token, so speculation only costs time here. The "
+                   "drafter does not predict this target: check it was trained for this target and tokenizer "
+                   "(docs/drafter-quality.md says how the shipped drafters were trained and measured)")
     lossless = spec.token_ids == base.token_ids
     click.echo(f"lossless (speculative ids == target-only greedy ids): {lossless}")
     if sampled is not None:

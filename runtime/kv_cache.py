@@ -57,6 +57,14 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.kv = [t[:, :, :length] for t in self.kv]
 
+    def fork(self) -> "KVCache":
+        """An independent cache of the same positions (requests sharing one prefill). The arrays are shared:
+        this cache never writes into them (a step replaces them, a rollback takes a view)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.kv = list(self.kv)
+        return new
+
 
 def pad_caches(caches: list[KVCache]) -> tuple[list[Any], int]:
     """Right-pad the rows' caches into batched ``[batch, kv_heads, L_max, head_dim]``; returns (per-slot, L_max)."""
@@ -156,6 +164,15 @@ class StaticKVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
+
+    def fork(self) -> "StaticKVCache":
+        """An independent copy of the valid positions (requests sharing one prefill); steps write in place, so the
+        buffers are copied (capacity kept), and the copy gets its own ONNX Runtime binding when first run."""
+        new = object.__new__(type(self))
+        new.kv_buffers = [t.copy() for t in self.kv_buffers]
+        new.length = self.length
+        new.binding = None
+        return new
 
 
 def gather_static(caches: list[StaticKVCache]) -> tuple[list[np.ndarray], int]:

@@ -58,6 +58,9 @@ class SpecStats:
                 "rounds": self.rounds,
                 "accepted_draft_tokens": self.accepted, "num_draft_tokens_per_round": self.num_draft_tokens_per_round,
                 "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
+                "drafted_tokens": sum(self.drafted_per_position),
+                "accepted_per_position": list(self.accepted_per_position),
+                "drafted_per_position": list(self.drafted_per_position),
                 "new_tokens": self.new_tokens, "tokens_per_s": round(self.tokens_per_s, 3),
                 "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
                 "verify_s": round(self.verify_s, 4), "decode_s": round(self.decode_s, 4)}

@@ -28,7 +28,10 @@ import numpy as np
 from runtime.kv_cache import (KVCache, StaticKVCache, gather_static, pad_caches,  # noqa: F401 - re-exported
                               unpad_present)
 
+from plugins.rule import Family
 from runtime.draft_vocab import expand_logits, load_draft_vocab
+from runtime.modes import DrafterContext, KvIo, Verification
+from runtime.ragged import attention_mask, dflash_block, positions, rows_after_past
 from runtime.shared_tables import load_shared_table
 
 
@@ -129,10 +132,10 @@ class OrtTarget(_Graph):
         self.max_positions = t["max_position_embeddings"]
         self.vocab_size = t["vocab_size"]
         graph = manifest["graphs"]["target"]
-        self.kv_io = graph.get("kv_io", "concat")
-        self.static = self.kv_io == "static"
-        self.shared_kv = self.kv_io == "shared"  # builder graph: past and present are one buffer (GQA)
-        self.precision = graph.get("precision", "fp32")
+        self.kv_io = KvIo.parse(graph["kv_io"])
+        self.static = self.kv_io == KvIo.STATIC
+        self.shared_kv = self.kv_io == KvIo.SHARED  # builder graph: past and present are one buffer (GQA)
+        self.precision = t["precision"]
         if self.shared_kv:
             self.present_names = [n for n in graph["outputs"] if n.startswith("present")]
             self.taps_output = graph.get("taps_output")
@@ -209,16 +212,9 @@ class OrtTarget(_Graph):
             past, l_max = gather_static(caches)
         else:
             past, l_max = pad_caches(caches)
-        ids = np.zeros((b, q), np.int64)
-        pos = np.zeros((b, q), np.int64)
-        mask = np.zeros((b, l_max + q), np.int64)
-        for r, (c, row) in enumerate(zip(caches, tokens)):
-            ids[r, : len(row)] = row
-            ids[r, len(row):] = row[-1]  # placeholder slots: after every real token of the row (causal)
-            pos[r] = np.minimum(np.arange(c.length, c.length + q), self.max_positions - 1)
-            mask[r, : c.length] = 1
-            mask[r, l_max: l_max + len(row)] = 1
-        feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+        # placeholder slots repeat each row's last token: after every real token of the row (causal), never read
+        feed = rows_after_past([c.length for c in caches], tokens, l_max, width=q,
+                               max_positions=self.max_positions).feed()
         feed.update(zip(self.kv_names, past))
         logits, taps, *kv = self._run(self.out_names, feed)
         if self.static:
@@ -324,8 +320,9 @@ class OrtDFlashDrafter(_Graph):
     mask input existed are drafted one row per call.
     """
 
-    family = "dflash"
-    verification = "rejection"  # runtime/sampling.py explains the choice
+    family = Family.DFLASH
+    verification = Verification.REJECTION  # runtime/sampling.py explains the choice
+    context = DrafterContext.TARGET_FEATURES
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
         d = manifest["drafter"]["config"]
@@ -337,7 +334,7 @@ class OrtDFlashDrafter(_Graph):
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
         self.batched = "attention_mask" in graph["inputs"]
-        self.static = graph.get("kv_io") == "static"
+        self.static = KvIo.parse(graph["kv_io"]) == KvIo.STATIC
         self._drafter_setup(engine_dir, manifest, graph)
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
         self._full_head = self.shared.get("lm_head_weight")
@@ -400,16 +397,9 @@ class OrtDFlashDrafter(_Graph):
         ids = np.full((b, blk), self.mask_token_id, np.int64)
         ids[:, 0] = bonus_tokens
         hidden = np.zeros((b, c_max, contexts[0].shape[1]), np.float32)
-        pos = np.zeros((b, c_max + blk), np.int64)
-        mask = np.zeros((b, l_max + c_max + blk), np.int64)
-        for r, (cache, ctx) in enumerate(zip(caches, contexts)):
-            start, n = cache.length, ctx.shape[0]
-            hidden[r, :n] = ctx
-            pos[r, :c_max] = np.arange(start, start + c_max)  # padded context rows: masked, positions unused
-            pos[r, c_max:] = np.arange(start + n, start + n + blk)
-            mask[r, :start] = 1
-            mask[r, l_max: l_max + n] = 1
-            mask[r, l_max + c_max:] = 1
+        for r, ctx in enumerate(contexts):
+            hidden[r, : ctx.shape[0]] = ctx
+        pos, mask = dflash_block([c.length for c in caches], ctx_lens, l_max, blk)
         feed = {"input_ids": ids, "target_hidden": hidden, "position_ids": pos}
         if self.batched:
             feed["attention_mask"] = mask
@@ -438,9 +428,9 @@ class OrtPardDrafter(_Graph):
     the in-graph beta counts each query row's visible keys from the mask.
     """
 
-    family = "pard"
-    verification = "rejection"
-    context = "tokens"  # the engine passes committed token ids, not target features
+    family = Family.PARD
+    verification = Verification.REJECTION
+    context = DrafterContext.TOKENS  # the engine passes committed token ids, not target features
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
         d = manifest["drafter"]
@@ -484,17 +474,10 @@ class OrtPardDrafter(_Graph):
         lens = [len(r) for r in rows]  # real tokens fed per row (kept in the cache)
         b, q = len(rows), max(lens) + k - 1
         past, l_max = pad_caches(caches)
-        ids = np.full((b, q), self.pard_token, np.int64)
-        pos = np.zeros((b, q), np.int64)
-        mask = np.zeros((b, l_max + q), np.int64)
-        for r, (cache, row) in enumerate(zip(caches, rows)):
-            n = len(row)
-            ids[r, :n] = row
-            pos[r] = np.minimum(np.arange(cache.length, cache.length + q), self.max_positions - 1)
-            mask[r, : cache.length] = 1
-            mask[r, l_max: l_max + n + k - 1] = 1  # placeholders after that stay 0
-        feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask,
-                "logits_start": np.asarray(lens, np.int64) - 1}
+        # each row: its real tokens, then K - 1 PARD mask tokens (shown), then hidden placeholders
+        feed = rows_after_past([c.length for c in caches], rows, l_max, width=q, pad_id=self.pard_token,
+                               visible=[n + k - 1 for n in lens], max_positions=self.max_positions).feed()
+        feed["logits_start"] = np.asarray(lens, np.int64) - 1
         (logits,) = self._run_drafter(feed, flags, past, caches, l_max, lens)
         return logits
 
@@ -512,9 +495,9 @@ class OrtEagle3Drafter(_Graph):
     verification stay exact. Per query row beta is computed in-graph from the causal mask (N = position + 1).
     """
 
-    family = "eagle3"
-    verification = "rejection"
-    context = "features_and_tokens"
+    family = Family.EAGLE3
+    verification = Verification.REJECTION
+    context = DrafterContext.FEATURES_AND_TOKENS
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
         import onnxruntime as ort
@@ -527,7 +510,8 @@ class OrtEagle3Drafter(_Graph):
         self.fc = ort.InferenceSession(str(engine_dir / manifest["graphs"]["drafter_fc"]["file"]),
                                        session_options(threads), providers=providers(device))
         self.num_draft_tokens = int(d["num_draft_tokens"])
-        self.max_positions = int(cfg.get("max_position_embeddings", 2048))
+        # the head's own positions where its config says, else the target's (it drafts at the target's positions)
+        self.max_positions = int(cfg.get("max_position_embeddings") or manifest["target"]["max_position_embeddings"])
         self.vocab_size = int(manifest["target"]["vocab_size"])
         self._drafter_setup(engine_dir, manifest, graph)
 
@@ -539,10 +523,7 @@ class OrtEagle3Drafter(_Graph):
         """One step-graph call; rows right-padded to the longest; appends ``keep[r]`` rows' K/V to each cache."""
         b, q = ids.shape
         past, l_max = pad_caches(caches)
-        mask = np.zeros((b, l_max + q), np.int64)
-        for r, (cache, n) in enumerate(zip(caches, lens)):
-            mask[r, : cache.length] = 1
-            mask[r, l_max: l_max + n] = 1
+        mask = attention_mask([c.length for c in caches], lens, l_max, q)
         feed = {"input_ids": ids, "hidden": hidden, "position_ids": pos, "attention_mask": mask,
                 "logits_start": np.asarray(lens, np.int64) - 1}
         _, token, hidden_out = self._run_drafter(feed, flags, past, caches, l_max, keep)
@@ -572,12 +553,11 @@ class OrtEagle3Drafter(_Graph):
         q = max(lens)
         feats = np.zeros((b, q, contexts[0][0].shape[1]), np.float32)
         ids = np.zeros((b, q), np.int64)
-        pos = np.zeros((b, q), np.int64)
         for r, ((f, hist), bonus) in enumerate(zip(contexts, bonus_tokens)):
             n, c = lens[r], starts[r]
             feats[r, :n] = f
             ids[r, :n] = [*np.asarray(hist[c + 1:], np.int64).tolist(), int(bonus)]  # token p + 1 at position p
-            pos[r] = np.minimum(np.arange(c, c + q), self.max_positions - 1)
+        pos = positions(starts, q, self.max_positions)
         (hidden,) = self._run(["hidden"], {"target_features": feats}, self.fc)
         token, out = self._step(caches, ids, hidden, pos, lens, flags, lens)
         drafts = [token]
@@ -592,3 +572,21 @@ class OrtEagle3Drafter(_Graph):
         for j, tok in enumerate(drafts):
             logits[np.arange(b), j, tok] = 0.0
         return logits
+
+
+ORT_DRAFTERS: dict[Family, type] = {cls.family: cls for cls in (OrtDFlashDrafter, OrtPardDrafter, OrtEagle3Drafter)}
+
+
+def ort_drafter_class(family: "Family | str") -> type:
+    """The ONNX Runtime drafter class for a manifest's ``drafter.family``.
+
+    Raises:
+        EngineDirError: a family this runtime cannot run (a folder from a newer sharpdraft: re-export it).
+    """
+    try:
+        return ORT_DRAFTERS[Family.parse(family)]
+    except (KeyError, ValueError):
+        from runtime.manifest import EngineDirError
+
+        raise EngineDirError(f"drafter family {family!r} is not supported by this runtime (it runs "
+                             f"{', '.join(f.value for f in ORT_DRAFTERS)}); re-export with this version") from None

@@ -38,8 +38,11 @@ import math
 
 import numpy as np
 
+from runtime.modes import Verification
+
 GREEDY_EPS = 1e-5  # temperature below this is greedy (one definition for drafting, verification and bonus)
-VERIFICATION_SCHEMES = ("rejection", "exact_match")
+VERIFICATION_SCHEMES = tuple(Verification)
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat top_logprobs limit, vLLM's default)
 
 
 def is_greedy(temperature: float) -> bool:
@@ -67,6 +70,9 @@ class SamplingParams:
             default (the manifest's verify_draft_tokens, else the maximum).
         query_scale: False drafts this request with the query scale switched off (beta = 1, the frozen drafter),
             for A/B comparisons; needs an engines folder exported with the per-row switch.
+        logprobs: None = no log-probabilities; n in 0..``MAX_LOGPROBS`` = each generated token's log-probability
+            under the target's processed distribution (:func:`processed_logprobs`) and the n most likely
+            alternatives (OpenAI ``logprobs`` / ``top_logprobs``).
     Raises:
         ValueError: any field out of range, with what to send instead.
     """
@@ -82,6 +88,7 @@ class SamplingParams:
     speculative: bool = True
     num_draft_tokens: int | None = None
     query_scale: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -108,6 +115,9 @@ class SamplingParams:
         k = self.num_draft_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             bad(f"num_draft_tokens must be an integer >= 0 or None, got {k!r}")
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (alternatives per token) or None, got {n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +164,46 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+def processed_logprobs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Log-probabilities of the distribution a row's token is drawn from, float64 ``[..., vocab]``.
+
+    Sampled rows: log of :func:`process_logits` (temperature, top-k, top-p applied; -inf outside them), the
+    distribution the verifier keeps (vLLM's ``logprobs_mode="processed_logprobs"``). Greedy rows have no sampling
+    distribution: their values are the log-softmax of the raw logits (temperature 1), whose argmax is the token
+    emitted, as vLLM reports for temperature 0. Speculation on or off gives the same values: they come from the
+    target's logits at each emitted position, whichever round produced them.
+    """
+    if params.greedy:
+        x = np.asarray(logits, dtype=np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    with np.errstate(divide="ignore"):
+        return np.log(process_logits(logits, params))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and the ``n`` most likely alternatives at its position
+    (``top``: ``((token id, logprob), ...)``, most likely first; ties by lower id)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token_id: int, params: SamplingParams) -> TokenLogprob:
+    """:class:`TokenLogprob` of ``token_id`` under the processed distribution of ``logits`` ``[vocab]``;
+    ``params.logprobs`` alternatives."""
+    lp = processed_logprobs(logits, params)
+    n = params.logprobs or 0
+    top = ()
+    if n:
+        idx = np.argpartition(-lp, n - 1)[:n]
+        idx = idx[np.lexsort((idx, -lp[idx]))]
+        top = tuple((int(i), float(lp[i])) for i in idx)
+    return TokenLogprob(int(token_id), float(lp[token_id]), top)
+
+
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One token from ``probs`` [vocab] (float64, sums to > 0) by inverse CDF; zero-probability ids are never drawn."""
     cdf = np.cumsum(probs)
@@ -189,7 +239,7 @@ class RowSampler:
             (k draft tokens, q ``[k, vocab]`` float64 they were drawn from), q None for greedy rows and for
             ``exact_match`` (which drafts the argmax and never reads q).
         """
-        if self.params.greedy or scheme == "exact_match":
+        if self.params.greedy or scheme == Verification.EXACT_MATCH:
             return [int(t) for t in np.argmax(logits, axis=-1)], None
         q = process_logits(logits, self.params)
         return [sample_from(row, self.rng) for row in q], q
@@ -210,7 +260,8 @@ class RowSampler:
         if target_logits.shape[0] != k + 1:
             raise ValueError(f"need k + 1 = {k + 1} target logit rows, got {target_logits.shape[0]}")
         if scheme not in VERIFICATION_SCHEMES:
-            raise ValueError(f"unknown verification scheme {scheme!r}; use one of {VERIFICATION_SCHEMES}")
+            raise ValueError(f"unknown verification scheme {scheme!r}; use one of "
+                             f"{', '.join(v.value for v in Verification)}")
         if self.params.greedy:
             for j, d in enumerate(draft_tokens):
                 best = argmax(target_logits[j])
@@ -219,7 +270,7 @@ class RowSampler:
             return k, [*draft_tokens, argmax(target_logits[k])]
         for j, d in enumerate(draft_tokens):
             p = process_logits(target_logits[j], self.params)
-            if scheme == "exact_match":
+            if scheme == Verification.EXACT_MATCH:
                 y = sample_from(p, self.rng)
                 if y != d:
                     return j, [*draft_tokens[:j], y]

@@ -9,29 +9,36 @@ Simultaneous requests share engine steps (continuous batching, runtime/async_eng
 and waiting place is taken the server answers 429 with Retry-After. A client that disconnects is aborted at once.
 
 Request fields: model, prompt / messages, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k,
-seed, stop, stop_token_ids, ignore_eos, n (1 only), stream, stream_options.include_usage, echo (completions), and
-the sharpdraft extensions ``speculative`` (false: target-only decoding for this request), ``query_scale`` (false:
-this request drafts with beta = 1, the frozen drafter; both for A/B comparisons in one server) and
-``num_draft_tokens``. Fields the server cannot honour (n > 1, logprobs, non-zero penalties, logit_bias, best_of > 1)
-are refused with 400 and say so; unknown fields are ignored like OpenAI does.
+seed, stop, stop_token_ids, ignore_eos, n (1..16; choice i samples with seed + i; greedy choices are one decode,
+copied), best_of (== n), logprobs (completions: 0..20 alternatives; chat: true, with top_logprobs 0..20), stream,
+stream_options.include_usage, echo (completions), and the sharpdraft extensions ``speculative`` (false: target-only
+decoding for this request), ``query_scale`` (false: this request drafts with beta = 1, the frozen drafter; both for
+A/B comparisons in one server), ``num_draft_tokens`` and ``spec_stats`` (true: the response carries a
+``sharpdraft`` block with the request's speculative statistics: rounds, accepted and drafted tokens per position,
+MAL, timings). Logprobs are the target's processed distribution at each emitted position (runtime/sampling.py
+``processed_logprobs``), the same with speculation on or off. Fields the server cannot honour (non-zero penalties,
+logit_bias, best_of != n, echo with logprobs) are refused with 400 and say so; unknown fields are ignored like
+OpenAI does.
 """
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
+import dataclasses
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
 
 import click
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from runtime.async_engine import AsyncEngine, QueueFull, RequestStream
-from runtime.sampling import SamplingParams
+from runtime.protocol import (ChatMessage, ChatRequest, ChatShape, CommonRequest, CompletionRequest,  # noqa: F401
+                              CompletionShape, error_body, sse, usage)
+from runtime.sampling import MAX_LOGPROBS, SamplingParams
 from runtime.server_metrics import ServerMetrics
 from runtime.stops import TextDeltas
 
@@ -39,75 +46,8 @@ DISCONNECT_POLL_S = 0.25
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    seed: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1)
-    stream: bool = Field(False, strict=True)
-    stream_options: dict[str, Any] | None = None
-    logprobs: int | bool | None = None
-    top_logprobs: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    speculative: bool = Field(True, strict=True)  # sharpdraft extension: false = target-only decoding for this request
-    num_draft_tokens: int | None = Field(None, ge=0)  # sharpdraft extension
-    query_scale: bool = Field(True, strict=True)  # sharpdraft extension: false = this request drafts with beta = 1 (frozen drafter)
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = Field(False, strict=True)
-    best_of: int | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (list, str)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            v = v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt is empty: give text or at least one token id")
-        return v
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-            429: "rate_limit_error"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=headers)
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 class _ResponseGate:
@@ -140,6 +80,282 @@ class _ResponseGate:
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt of the target's context (8k tokens are ~40 kB of text)
 
 
+class OpenAIServing:
+    """The request path both endpoints share: sampling parameters from a request, queueing (429 at capacity),
+    waiting with disconnect checks, and the non-streamed or streamed (server-sent events) answer.
+
+    Args:
+        async_engine: the continuous-batching engine (runtime/async_engine.py).
+        metrics: the server's Prometheus series.
+        model_name: the id served at /v1/models; requests naming another model get 404.
+        default_max_tokens: max tokens of a request that sends none.
+    """
+
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str, default_max_tokens: int):
+        self.async_engine, self.engine, self.metrics = async_engine, async_engine.engine, metrics
+        self.model_name, self.default_max_tokens = model_name, default_max_tokens
+
+    def params_of(self, req: CommonRequest, max_tokens: int | None, chat: bool) -> SamplingParams:
+        """The request's sampling parameters (choice 0's; :meth:`choices` gives the others).
+
+        Raises:
+            HTTPException: 404 (another model), 400 (a field the server cannot honour, bad values).
+        """
+        if req.model not in (None, self.model_name):
+            raise HTTPException(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}")
+        unsupported = [name for name, bad in (
+            ("frequency_penalty", req.frequency_penalty != 0), ("presence_penalty", req.presence_penalty != 0),
+            ("logit_bias", bool(req.logit_bias))) if bad]
+        if unsupported:
+            raise HTTPException(400, f"{', '.join(unsupported)}: not supported by this server; remove it")
+        best_of = getattr(req, "best_of", None)
+        if best_of is not None and best_of != req.n:
+            raise HTTPException(400, f"best_of ({best_of}) must equal n ({req.n}): this server returns every sample "
+                                     "it draws; send n alone")
+        logprobs = self._logprobs(req, chat)
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        try:
+            return SamplingParams(max_new_tokens=max_tokens or self.default_max_tokens, temperature=req.temperature,
+                                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
+                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                                  speculative=req.speculative, num_draft_tokens=req.num_draft_tokens,
+                                  query_scale=req.query_scale, logprobs=logprobs)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
+
+    @staticmethod
+    def _logprobs(req: CommonRequest, chat: bool) -> int | None:
+        """OpenAI's two forms to ``SamplingParams.logprobs`` (None, or alternatives per token). Raises 400."""
+        if chat:
+            if req.logprobs not in (None, True, False):
+                raise HTTPException(400, f"chat logprobs is a boolean, got {req.logprobs!r}; set top_logprobs for "
+                                         "alternatives")
+            if req.top_logprobs is not None and not req.logprobs:
+                raise HTTPException(400, f"top_logprobs ({req.top_logprobs}) needs logprobs: true (OpenAI chat "
+                                         "semantics); set logprobs or remove top_logprobs")
+            if not req.logprobs:
+                return None
+            n = req.top_logprobs or 0
+            if not 0 <= n <= MAX_LOGPROBS:
+                raise HTTPException(400, f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {n}")
+            return n
+        if req.top_logprobs is not None:
+            raise HTTPException(400, "top_logprobs is a chat field; completions take logprobs: <int 0..20>")
+        if req.logprobs is None or req.logprobs is False:
+            return None
+        if isinstance(req.logprobs, bool) or not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise HTTPException(400, f"completions logprobs is an integer in 0..{MAX_LOGPROBS} (alternatives per "
+                                     f"token), got {req.logprobs!r}")
+        if getattr(req, "echo", False):
+            raise HTTPException(400, "echo with logprobs (prompt logprobs) is not supported by this server: it "
+                                     "returns logprobs of generated tokens only; send echo or logprobs, not both")
+        return req.logprobs
+
+    @staticmethod
+    def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """The engine requests of ``n`` choices: choice i draws with seed ``seed + i`` (seeded requests are
+        reproducible choice by choice). Greedy choices are identical, so one is decoded and copied."""
+        if n == 1 or params.greedy:
+            return [params]
+        return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+
+    def ab(self, params: SamplingParams) -> dict:
+        """The A/B switches this request ran with (echoed in the response's ``sharpdraft`` block)."""
+        enabled = bool(self.engine.manifest and self.engine.manifest["query_scale"]["enabled"])
+        return {"speculative": params.speculative,
+                "query_scale": bool(params.query_scale and params.speculative and enabled)}
+
+    def submit(self, ids: list[int], params: list[SamplingParams], max_tokens_field: str | None
+               ) -> list[RequestStream]:
+        """Queue the request's choices (all or none); 429 at capacity, 400 for a request the engine refuses (its
+        message names the request's own field, ``max_tokens_field``, or says the server default applied)."""
+        try:
+            return self.async_engine.submit_group(ids, params)
+        except QueueFull as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
+        except ValueError as e:
+            n = params[0].max_new_tokens
+            label = (f"{max_tokens_field} ({n})" if max_tokens_field else
+                     f"max_tokens ({n}: not sent, the server's default)")
+            raise HTTPException(400, str(e).replace(f"max_new_tokens ({n})", label).replace(
+                "lower max_new_tokens", f"lower {max_tokens_field or 'max_tokens'}")) from e
+
+    async def collect(self, request: Request, streams: list[RequestStream]):
+        """Wait for every choice's result; abort them all if the client goes away first (returns None then).
+
+        The connection is checked every ``DISCONNECT_POLL_S`` seconds whether or not tokens keep arriving (a busy
+        request emits an event every step, so checking only on a quiet poll would never notice the hang-up)."""
+        results = [None] * len(streams)
+        next_check = time.monotonic() + DISCONNECT_POLL_S
+        while any(r is None for r in results):
+            for i, stream in enumerate(streams):
+                if results[i] is not None:
+                    continue
+                event = await stream.next_event(DISCONNECT_POLL_S / len(streams))
+                if event is not None:
+                    if event.error is not None:
+                        for other in streams:
+                            other.abort()
+                        raise HTTPException(500, event.error)
+                    if event.result is not None:
+                        results[i] = event.result
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    for stream in streams:
+                        stream.abort()
+                    self.metrics.aborted.labels(ENDPOINTS.get(request.url.path, "other")).inc()
+                    return None
+        return results
+
+    async def run(self, request: Request, req: CommonRequest, ids: list[int], params: SamplingParams,
+                  shape: CompletionShape, prefix: str = ""):
+        """Run one request's ``req.n`` choices and answer in ``shape``'s format: a JSON body or a stream."""
+        if not ids:
+            raise HTTPException(400, "prompt encodes to zero tokens; give a non-empty prompt")
+        per_choice = self.choices(params, req.n)
+        streams = self.submit(ids, per_choice, next((f for f in ("max_completion_tokens", "max_tokens")
+                                                     if getattr(req, f, None) is not None), None))
+        rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        copies = req.n // len(streams)  # greedy n > 1: one decode, n equal choices
+        if not req.stream:
+            results = await self.collect(request, streams)
+            if results is None:
+                return Response(status_code=499)
+            for stream, result in zip(streams, results):
+                self.metrics.request_finished(shape.endpoint, stream, result, len(ids))
+            results = [r for r in results for _ in range(copies)]
+            choices = [shape.choice(i, prefix + (r.text or ""), r.finish_reason, r.logprobs, len(prefix))
+                       for i, r in enumerate(results)]
+            extra = None
+            if req.spec_stats:
+                stats = [r.stats.to_dict() for r in results]
+                extra = {**(stats[0] if len(stats) == 1 else {"choices": stats}), **self.ab(params)}
+            return JSONResponse(shape.body(rid, created, choices,
+                                           usage(len(ids), sum(len(r.token_ids) for r in results)), extra))
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(self._events(streams, shape, rid, created, len(ids), params, prefix, include_usage,
+                                              copies),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, streams: list[RequestStream], shape: CompletionShape, rid: str, created: int,
+                      prompt_len: int, params: SamplingParams, prefix: str, include_usage: bool, copies: int):
+        """Server-sent events of every choice, interleaved as their tokens arrive (choice ``index`` on each)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream):
+            async for event in stream:
+                await queue.put((i, event))
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+        deltas = [TextDeltas(self.engine.tokenizer, params.stop) for _ in streams]
+        generated: list[list[int]] = [[] for _ in streams]
+        offsets = [len(prefix)] * len(streams)
+        done, completion_tokens = 0, 0
+        finished = False
+        try:
+            for i in range(len(streams) * copies):
+                first = shape.chunk(rid, created, i, prefix, None, first=True)
+                if first is not None:
+                    yield sse(first)
+            while done < len(streams):
+                i, event = await queue.get()
+                if event is None:
+                    done += 1
+                    continue
+                if event.error is not None:
+                    yield sse(error_body(500, event.error))
+                    finished = True
+                    return
+                generated[i].extend(event.token_ids)
+                final = event.result.text or "" if event.result is not None else None
+                text = deltas[i].delta(generated[i], final)
+                if text or event.logprobs:
+                    for c in range(copies):
+                        yield sse(shape.chunk(rid, created, i * copies + c, text, None, event.logprobs, offsets[i]))
+                    offsets[i] += sum(len(self.engine.tokenizer.decode([lp.token_id])) for lp in event.logprobs) \
+                        if event.logprobs else len(text)
+                if event.result is not None:
+                    for c in range(copies):
+                        yield sse(shape.chunk(rid, created, i * copies + c, "", event.result.finish_reason))
+                    completion_tokens += len(event.result.token_ids) * copies
+                    self.metrics.request_finished(shape.endpoint, streams[i], event.result, prompt_len)
+            if include_usage:
+                yield sse(shape.usage_chunk(rid, created, usage(prompt_len, completion_tokens)))
+            finished = True
+            yield sse("[DONE]")
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not finished:  # client went away (generator closed) or the loop was cancelled
+                for stream in streams:
+                    stream.abort()
+                self.metrics.aborted.labels(shape.endpoint).inc()
+
+
+def completions_router(serving: OpenAIServing) -> APIRouter:
+    """POST /v1/completions."""
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        params = serving.params_of(req, req.max_tokens, chat=False)
+        tok = serving.engine.tokenizer
+        ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        prefix = (req.prompt if isinstance(req.prompt, str) else tok.decode(ids)) if req.echo else ""
+        return await serving.run(request, req, ids, params, CompletionShape(req.model or serving.model_name, tok),
+                                 prefix)
+
+    return router
+
+
+def chat_router(serving: OpenAIServing) -> APIRouter:
+    """POST /v1/chat/completions (the tokenizer's chat template)."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        params = serving.params_of(req, req.max_completion_tokens or req.max_tokens, chat=True)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
+        tok = serving.engine.tokenizer
+        if tok.chat_template is None:
+            raise HTTPException(400, "this model's tokenizer has no chat template; use /v1/completions")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return await serving.run(request, req, list(ids), params, ChatShape(req.model or serving.model_name, tok))
+
+    return router
+
+
+def operations_router(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str) -> APIRouter:
+    """GET /health, /v1/models, /metrics (Prometheus text format)."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", **async_engine.stats()}
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "sharpdraft"}]}
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return router
+
+
+MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt of the target's context (8k tokens are ~40 kB of text)
+
+
 def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", default_max_tokens: int = 16,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Build the app around a started-or-not :class:`AsyncEngine` (the app starts and stops its worker).
@@ -149,8 +365,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
     """
     from contextlib import asynccontextmanager
 
-    engine = async_engine.engine
-    metrics = ServerMetrics(async_engine)
+    metrics = ServerMetrics(async_engine, model_name)
     async_engine.on_step = metrics.on_step
 
     @asynccontextmanager
@@ -178,188 +393,43 @@ def create_app(async_engine: AsyncEngine, model_name: str = "sharpdraft", defaul
     # a pure ASGI middleware: Starlette's BaseHTTPMiddleware (``@app.middleware``) wraps ``receive``, and the
     # handlers' request.is_disconnected() then never sees a non-streaming client hang up
     app.add_middleware(_ResponseGate, metrics=metrics, max_body_bytes=max_body_bytes)
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", **async_engine.stats()}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "sharpdraft"}]}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
-
-    def params_of(req: _Common, max_tokens: int | None) -> SamplingParams:
-        if req.model not in (None, model_name):
-            raise HTTPException(404, f"model {req.model!r} does not exist; this server serves {model_name!r}")
-        unsupported = [name for name, bad in (
-            ("n > 1", req.n > 1), ("logprobs", req.logprobs not in (None, False)),
-            ("frequency_penalty", req.frequency_penalty != 0), ("presence_penalty", req.presence_penalty != 0),
-            ("logit_bias", bool(req.logit_bias)), ("best_of > 1", (getattr(req, "best_of", None) or 1) > 1)) if bad]
-        if req.top_logprobs is not None and req.logprobs in (None, False, 0):
-            raise HTTPException(400, f"top_logprobs ({req.top_logprobs}) needs logprobs: true (OpenAI chat "
-                                     "semantics); set logprobs or remove top_logprobs")
-        if unsupported:
-            raise HTTPException(400, f"{', '.join(unsupported)}: not supported by this server; remove it")
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        try:
-            return SamplingParams(max_new_tokens=max_tokens or default_max_tokens, temperature=req.temperature,
-                                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
-                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                                  speculative=req.speculative, num_draft_tokens=req.num_draft_tokens,
-                                  query_scale=req.query_scale)
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from e
-
-    def ab(params: SamplingParams) -> dict:
-        """The A/B switches this request ran with (echoed in the response's ``sharpdraft`` block)."""
-        qs = (engine.manifest or {}).get("query_scale", {})
-        return {"speculative": params.speculative,
-                "query_scale": bool(params.query_scale and params.speculative and qs.get("enabled", False))}
-
-    def submit(ids: list[int], params: SamplingParams, max_tokens_field: str | None) -> RequestStream:
-        """Queue the request; 429 at capacity, 400 for a request the engine refuses (its message names the
-        request's own field, ``max_tokens_field``, or says the server default applied)."""
-        try:
-            return async_engine.submit(ids, params)
-        except QueueFull as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
-        except ValueError as e:
-            n = params.max_new_tokens
-            label = (f"{max_tokens_field} ({n})" if max_tokens_field else
-                     f"max_tokens ({n}: not sent, the server's default)")
-            raise HTTPException(400, str(e).replace(f"max_new_tokens ({n})", label).replace(
-                "lower max_new_tokens", f"lower {max_tokens_field or 'max_tokens'}")) from e
-
-    async def collect(request: Request, stream: RequestStream):
-        """Wait for the result; abort the request if the client goes away first.
-
-        The connection is checked every ``DISCONNECT_POLL_S`` seconds whether or not tokens keep arriving (a busy
-        request emits an event every step, so checking only on a quiet poll would never notice the hang-up)."""
-        next_check = time.monotonic() + DISCONNECT_POLL_S
-        while True:
-            event = await stream.next_event(DISCONNECT_POLL_S)
-            if event is not None:
-                if event.error is not None:
-                    raise HTTPException(500, event.error)
-                if event.result is not None:
-                    return event.result
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + DISCONNECT_POLL_S
-                if await request.is_disconnected():
-                    stream.abort()
-                    metrics.aborted.labels(ENDPOINTS.get(request.url.path, "other")).inc()
-                    return None
-
-    def usage(prompt_len: int, n: int) -> dict:
-        return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
-
-    def sse(obj: dict | str) -> str:
-        return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-    async def run(request: Request, req: _Common, ids: list[int], params: SamplingParams, endpoint: str,
-                  make_body, make_chunk, prefix: str = ""):
-        if not ids:
-            raise HTTPException(400, "prompt encodes to zero tokens; give a non-empty prompt")
-        stream = submit(ids, params, next((f for f in ("max_completion_tokens", "max_tokens")
-                                           if getattr(req, f, None) is not None), None))
-        rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if not req.stream:
-            result = await collect(request, stream)
-            if result is None:
-                return Response(status_code=499)
-            metrics.request_finished(endpoint, stream, result, len(ids))
-            return JSONResponse(make_body(rid, created, prefix + (result.text or ""), result,
-                                          usage(len(ids), len(result.token_ids))))
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
-
-        async def events():
-            deltas = TextDeltas(engine.tokenizer, params.stop)
-            generated: list[int] = []
-            finished = False
-            try:
-                first = make_chunk(rid, created, prefix, None, first=True)
-                if first is not None:
-                    yield sse(first)
-                async for event in stream:
-                    if event.error is not None:
-                        yield sse({"error": {"message": event.error, "type": "server_error", "code": 500}})
-                        finished = True
-                        return
-                    generated.extend(event.token_ids)
-                    final = event.result.text or "" if event.result is not None else None
-                    text = deltas.delta(generated, final)
-                    if text:
-                        yield sse(make_chunk(rid, created, text, None))
-                    if event.result is not None:
-                        yield sse(make_chunk(rid, created, "", event.result.finish_reason))
-                        if include_usage:
-                            yield sse({"id": rid, "object": "chat.completion.chunk" if endpoint == "chat"
-                                       else "text_completion", "created": created, "model": req.model or model_name,
-                                       "choices": [], "usage": usage(len(ids), len(event.result.token_ids))})
-                        metrics.request_finished(endpoint, stream, event.result, len(ids))
-                        finished = True
-                yield sse("[DONE]")
-            finally:
-                if not finished:  # client went away (generator closed) or the loop was cancelled
-                    stream.abort()
-                    metrics.aborted.labels(endpoint).inc()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        params = params_of(req, req.max_tokens)
-        ids = engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        prefix = (req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)) if req.echo else ""
-
-        def body(rid, created, text, result, use):
-            return {"id": rid, "object": "text_completion", "created": created, "model": req.model or model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": result.finish_reason}],
-                    "usage": use, "sharpdraft": {**result.stats.to_dict(), **ab(params)}}
-
-        def chunk(rid, created, text, finish_reason, first=False):
-            if first and not text:
-                return None
-            return {"id": rid, "object": "text_completion", "created": created, "model": req.model or model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-
-        return await run(request, req, ids, params, "completions", body, chunk, prefix)
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
-        params = params_of(req, req.max_completion_tokens or req.max_tokens)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from e
-        if engine.tokenizer.chat_template is None:
-            raise HTTPException(400, "this model's tokenizer has no chat template; use /v1/completions")
-        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
-
-        def body(rid, created, text, result, use):
-            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model or model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": result.finish_reason}],
-                    "usage": use, "sharpdraft": {**result.stats.to_dict(), **ab(params)}}
-
-        def chunk(rid, created, text, finish_reason, first=False):
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": req.model or model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-
-        return await run(request, req, list(ids), params, "chat", body, chunk)
-
+    serving = OpenAIServing(async_engine, metrics, model_name, default_max_tokens)
+    app.include_router(operations_router(async_engine, metrics, model_name))
+    app.include_router(completions_router(serving))
+    app.include_router(chat_router(serving))
     return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(async_engine: AsyncEngine, model_name: str = "sharpdraft", host: str = "127.0.0.1",
+                    port: int = 0, log_level: str = "warning"):
+    """A real uvicorn server around ``async_engine`` on its own thread (benchmarks, tests); yields the base URL.
+    ``port`` 0 picks a free loopback port.
+
+    Raises:
+        RuntimeError: the server did not answer /health within 60 s.
+    """
+    import socket
+    import threading
+
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, model_name), host=host, port=port,
+                                           log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://{host}:{port}"
+    try:
+        if not wait_healthy(url, 60):
+            raise RuntimeError(f"the server on {url} did not become healthy")
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bool:
@@ -390,17 +460,29 @@ def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bo
 @click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0),
               help="queued requests beyond the running ones before 429")
 @click.option("--model-name", default=None, help="id served at /v1/models (default: the engines folder's name)")
+@click.option("--draft-tokens-by-batch", default=None,
+              help="draft tokens per round by the number of running requests, e.g. '1-2:7,3-4:3,5-:0' "
+                   "(runtime/draft_length.py; requests that set num_draft_tokens keep theirs)")
+@click.option("--adaptive-draft-tokens", is_flag=True,
+              help="per request: +2 draft tokens after a fully accepted round, -1 after a rejection")
 def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_running: int, max_waiting: int,
-         model_name: str | None) -> None:
+         model_name: str | None, draft_tokens_by_batch: str | None, adaptive_draft_tokens: bool) -> None:
     import uvicorn
 
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
 
+    from runtime.draft_length import DraftTokensByBatch
+
+    try:
+        table = None if draft_tokens_by_batch is None else DraftTokensByBatch.parse(draft_tokens_by_batch)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--draft-tokens-by-batch") from e
     try:
         engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
     except (EngineDirError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
+    engine.draft_tokens_by_batch, engine.adaptive_draft_tokens = table, adaptive_draft_tokens
     _ = engine.tokenizer  # load before serving
     app = create_app(AsyncEngine(engine, max_running, max_waiting), model_name or engine_dir.resolve().name)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from plugins.rule import QueryScaleProfile
+from plugins.rule import Family, QueryScaleProfile
 from runtime.kv_cache import KVCache, pad_caches, unpad_present
+from runtime.modes import DrafterContext, Verification
+from runtime.ragged import dflash_block, rows_after_past
 
 
 def torch_device(device: str = "auto") -> torch.device:
@@ -124,15 +126,8 @@ class TorchTarget:
                                  "positions")
         b, q = len(tokens), max(lens)
         past, l_max = pad_caches(caches)
-        ids = torch.zeros((b, q), dtype=torch.int64)
-        pos = torch.zeros((b, q), dtype=torch.int64)
-        mask = torch.zeros((b, l_max + q), dtype=torch.int64)
-        for r, (c, row) in enumerate(zip(caches, tokens)):
-            ids[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
-            ids[r, len(row):] = row[-1]
-            pos[r] = torch.arange(c.length, c.length + q).clamp(max=self.max_positions - 1)
-            mask[r, : c.length] = 1
-            mask[r, l_max: l_max + len(row)] = 1
+        batch = rows_after_past([c.length for c in caches], tokens, l_max, width=q, max_positions=self.max_positions)
+        ids, pos, mask = (torch.from_numpy(a) for a in (batch.input_ids, batch.position_ids, batch.attention_mask))
         cache = DynamicCache(config=self.model.config)
         if l_max:
             for i in range(self.num_layers):
@@ -175,8 +170,9 @@ class TorchDFlashDrafter:
         ValueError: the tables do not match the drafter's hidden size, or an unknown attention_impl.
     """
 
-    family = "dflash"
-    verification = "rejection"  # as OrtDFlashDrafter (runtime/sampling.py explains the choice)
+    family = Family.DFLASH
+    verification = Verification.REJECTION  # as OrtDFlashDrafter (runtime/sampling.py explains the choice)
+    context = DrafterContext.TARGET_FEATURES
     query_scale_switch = True  # per-row on/off is always available here
 
     def __init__(self, model, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -192,7 +188,7 @@ class TorchDFlashDrafter:
         self.lm_head_weight = lm_head_weight.to(device=self.device, dtype=torch.float32)
         if profile is None:
             profile = (QueryScaleProfile.from_dict(cfg.query_scale) if cfg.query_scale
-                       else QueryScaleProfile.for_family("dflash"))
+                       else QueryScaleProfile.for_family(Family.DFLASH))
         self.profile = profile
         self.query_scaled = bool(profile.enabled)
         self.config = cfg
@@ -265,17 +261,11 @@ class TorchDFlashDrafter:
         ids[:, 0] = torch.tensor([int(t) for t in bonus_tokens], dtype=torch.int64)
         feat_dim = self.model.fc.in_features
         hidden = torch.zeros((b, c_max, feat_dim), dtype=torch.float32)
-        pos = torch.zeros((b, c_max + blk), dtype=torch.int64)
-        mask = torch.zeros((b, l_max + c_max + blk), dtype=torch.bool)
-        for r, (cache, ctx) in enumerate(zip(caches, contexts)):
-            start, n = cache.length, ctx.shape[0]
-            if n:
-                hidden[r, :n] = torch.from_numpy(np.ascontiguousarray(ctx, dtype=np.float32))
-            pos[r, :c_max] = torch.arange(start, start + c_max)  # padded context rows: masked, positions unused
-            pos[r, c_max:] = torch.arange(start + n, start + n + blk)
-            mask[r, :start] = True
-            mask[r, l_max: l_max + n] = True
-            mask[r, l_max + c_max:] = True
+        for r, ctx in enumerate(contexts):
+            if ctx.shape[0]:
+                hidden[r, : ctx.shape[0]] = torch.from_numpy(np.ascontiguousarray(ctx, dtype=np.float32))
+        pos, mask = (torch.from_numpy(a) for a in dflash_block([c.length for c in caches], ctx_lens, l_max, blk))
+        mask = mask.bool()
         dev = self.device
         ids, hidden, pos, mask = ids.to(dev), hidden.to(dev), pos.to(dev), mask.to(dev)
         past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
@@ -327,13 +317,13 @@ def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, 
     from runtime.models.target import DEFAULT_TARGET, TargetLoadError
 
     drafter_info, target_info = manifest["drafter"], manifest["target"]
-    if drafter_info.get("family", "dflash") != "dflash":
+    if Family.parse(drafter_info["family"]) != Family.DFLASH:  # a capability of this backend, not a family rule
         raise EngineDirError(f"the torch backend runs DFlash drafters only, this folder has {drafter_info['family']!r}")
-    if target_info.get("precision", "fp32") != "fp32":
+    if target_info["precision"] != "fp32":
         raise EngineDirError(f"this folder's target is {target_info['precision']} (ONNX Runtime GenAI's builder "
                              "graph); the torch backend rebuilds the fp32 target from its source, another model: "
                              "use --backend onnxruntime, or export with --target-precision fp32 for the torch backend")
-    source = target_info.get("source") or DEFAULT_TARGET
+    source = target_info["source"]
     if source != DEFAULT_TARGET:
         cand = Path(source)
         if not cand.is_absolute() and not cand.exists() and base_dir is not None and (base_dir / cand).exists():

@@ -227,7 +227,7 @@ def main(engines, contexts, new_tokens, end_token, docs, threads, out, reuse, wo
             if row["token_ids"] != base[name]["token_ids"]:
                 raise SystemExit(f"{label} {name}: output differs from target-only greedy (lossless broken)")
     manifest = json.loads((pairs[0][1] / "manifest.json").read_text())
-    result = {"family": manifest["drafter"].get("family", "dflash"), "contexts": contexts, "new_tokens": new_tokens,
+    result = {"family": manifest["drafter"]["family"], "contexts": contexts, "new_tokens": new_tokens,
               "end_token": end_token, "configs": [c for c, _ in configs],
               "trainable_params": _trainable_params(pairs[0][1]), "runs": runs}
     result["summary"] = _summary(result)

@@ -177,12 +177,12 @@ def time_kv_forms(folders: dict[str, Path], contexts: list[int], k: int, rounds:
     from runtime.ort_engines import OrtTarget
 
     from runtime.kv_cache import StaticKVCache
-    from runtime.ort_engines import OrtDFlashDrafter
+    from runtime.ort_engines import OrtDFlashDrafter, ort_drafter_class
 
     manifests = {name: load_manifest(d) for name, d in folders.items()}
     targets = {name: OrtTarget(d, manifests[name], "cpu", None) for name, d in folders.items()}
     drafters = {name: OrtDFlashDrafter(d, manifests[name], "cpu", None) for name, d in folders.items()
-                if manifests[name]["drafter"]["family"] == "dflash"}
+                if ort_drafter_class(manifests[name]["drafter"]["family"]) is OrtDFlashDrafter}
     rng = np.random.default_rng(0)
     out = {}
 

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/sharpdraft-export --drafter dflash --out engines/ -v
+.venv/bin/sharpdraft-export --drafter dflash --out engines/  # the exporters' own output: engines/export.log
 .venv/bin/python -m runtime.generate --engine engines/ "$@"

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models import attention_probe
+from runtime.modes import AttentionImpl
 
 
 class CheckpointError(RuntimeError):
@@ -158,13 +159,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-ATTENTION_IMPLS = ("eager", "fused")
+ATTENTION_IMPLS = tuple(AttentionImpl)
 
 
 def _check_impl(impl: str) -> str:
     if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    return impl
+        raise ValueError(f"attention_impl must be one of {', '.join(a.value for a in AttentionImpl)}, got {impl!r}")
+    return AttentionImpl(impl)
 
 
 def _masked(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -226,7 +227,7 @@ class DFlashAttention(nn.Module):
         v_blk = self._heads(self.v_proj(x), self.nkv)
         k = torch.cat([*ctx_k, k_blk] if isinstance(ctx_k, tuple) else [ctx_k, k_blk], dim=2)
         v = torch.cat([*ctx_v, v_blk] if isinstance(ctx_v, tuple) else [ctx_v, v_blk], dim=2)
-        if self.attention_impl == "fused":
+        if self.attention_impl == AttentionImpl.FUSED:
             out = self._fused(q, k, v, attn_mask, profile, rows_on)
             return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
         if profile is not None or rows_on is not None:

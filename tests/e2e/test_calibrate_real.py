@@ -6,7 +6,8 @@ run and its figures are in docs/long-context.md.
 import pytest
 
 from export import calibrate as cal
-from export.pipeline import DEFAULT_CHECKPOINTS, load_drafter
+from export.families import get_family
+from export.pipeline import load_drafter
 from plugins.rule import QueryScaleProfile
 
 pytestmark = pytest.mark.slow
@@ -17,7 +18,7 @@ def test_dflash_dilution_and_fit_on_real_pair():
 
     model, tok = load_target(None)
     model.set_attn_implementation("sdpa")
-    drafter = load_drafter("dflash", DEFAULT_CHECKPOINTS["dflash"]).eval()
+    drafter = load_drafter("dflash", get_family("dflash").default_checkpoint).eval()
     docs = dict(list(cal.default_texts(2100, tok).items())[:1])
     res = cal.calibrate("dflash", drafter, model, docs, n_grid=[128, 512, 2048], train_keys=512, progress=False)
     mass = {p["num_keys"]: [lay["mass"] for lay in p["layers"]] for p in res["frozen"]}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.modes import DrafterContext, Verification
+
 
 class TokenCache:
     """A cache that stores the token ids (scripted target) or context ids (scripted drafter) it covers."""
@@ -26,6 +28,11 @@ class TokenCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate {self.length} to {length}")
         del self.ids[length:]
+
+    def fork(self) -> "TokenCache":
+        new = TokenCache()
+        new.ids = list(self.ids)
+        return new
 
 
 class ScriptedTarget:
@@ -62,7 +69,10 @@ class ScriptedTarget:
 
 
 class ScriptedDrafter:
-    verification = "rejection"
+    verification = Verification.REJECTION
+    context = DrafterContext.TARGET_FEATURES  # the engine's contexts; this drafter reads only their lengths
+    query_scaled = False
+    query_scale_switch = False
 
     def __init__(self, propose, num_draft_tokens: int, vocab_size: int, max_positions: int = 8192):
         self.propose = propose  # (context ids, bonus) -> logits [K, vocab_size]

@@ -18,7 +18,7 @@ def test_completion_and_stream_match_target_only(request, fixture):
     text = ref_engine.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
-                                                  "temperature": 0})
+                                                  "temperature": 0, "spec_stats": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == text
         assert r.json()["sharpdraft"]["rounds"] >= 1

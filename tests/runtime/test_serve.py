@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from runtime.async_engine import AsyncEngine, QueueFull
 from runtime.engine import SpecEngine
 from runtime.sampling import SamplingParams
-from runtime.serve import create_app, wait_healthy
+from runtime.serve import create_app, serve_in_thread, wait_healthy
 
 GREEDY = {"temperature": 0}
 
@@ -43,7 +43,8 @@ def _sse(lines):
 
 
 def test_completion_matches_target_only(client, engine):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 12, **GREEDY})
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 12,
+                                             "spec_stats": True, **GREEDY})
     assert r.status_code == 200, r.text
     body = r.json()
     ids = engine.tokenizer.encode("def add(a, b):")
@@ -96,7 +97,7 @@ def test_streaming_deltas_equal_non_streaming(client, endpoint, extra):
 
 
 def test_speculation_off_per_request_gives_same_greedy_text(client):
-    body = {"prompt": "import numpy as np\n", "max_tokens": 20, **GREEDY}
+    body = {"prompt": "import numpy as np\n", "max_tokens": 20, "spec_stats": True, **GREEDY}
     a = client.post("/v1/completions", json=body).json()
     b = client.post("/v1/completions", json={**body, "speculative": False}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"] and b["sharpdraft"]["rounds"] == 0
@@ -131,8 +132,12 @@ def test_token_id_prompt_and_models(client):
     ({"prompt": [1] * 4095, "max_tokens": 5}, "exceeds"),
     ({"max_tokens": 5}, "prompt"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
-    ({"prompt": "hi", "n": 2}, "n > 1"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 2, "echo": True}, "echo with logprobs"),
+    ({"prompt": "hi", "top_logprobs": 2}, "top_logprobs is a chat field"),
+    ({"prompt": "hi", "n": 17}, "n"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "hi", "num_draft_tokens": 50}, "num_draft_tokens"),
 ])
@@ -310,23 +315,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
 def uvicorn_server(aeng: AsyncEngine, log_level: str = "warning"):
     """A real uvicorn server on a free loopback port around ``aeng`` (its own thread); yields the base URL."""
-    import uvicorn
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(aeng, "tiny"), host="127.0.0.1", port=port,
-                                           log_level=log_level))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_healthy(url, 30)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return serve_in_thread(aeng, "tiny", log_level=log_level)
 
 
 def test_client_disconnect_mid_stream_frees_the_slot(engine):
@@ -351,7 +342,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine):
 
 
 def test_query_scale_off_per_request(client):
-    body = {"prompt": "import numpy as np\n", "max_tokens": 16, **GREEDY}
+    body = {"prompt": "import numpy as np\n", "max_tokens": 16, "spec_stats": True, **GREEDY}
     a = client.post("/v1/completions", json=body).json()
     b = client.post("/v1/completions", json={**body, "query_scale": False}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]  # greedy stays lossless either way
@@ -371,7 +362,7 @@ def test_errors_are_openai_shaped_and_counted_per_endpoint(client):
     assert client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2}).status_code == 400
     assert client.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "a"}]}
                        ).status_code == 404
-    assert client.post("/v1/completions", json={"prompt": "hi", "n": 3}).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "hi", "n": 30}).status_code == 400
     assert (count("chat", 400), count("chat", 404), count("completions", 400)) == tuple(b + 1 for b in before)
     r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

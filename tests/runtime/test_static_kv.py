@@ -74,7 +74,7 @@ def test_static_graph_validates_and_equals_the_concat_graph(tiny_model, tmp_path
         assert check["max_abs_diff_kv"] < 1e-4 and check["max_abs_diff_logits"] < 1e-3
         manifest = {"target": {"num_layers": cfg.num_hidden_layers, "num_key_value_heads": cfg.num_key_value_heads,
                                "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
-                               "vocab_size": cfg.vocab_size},
+                               "vocab_size": cfg.vocab_size, "precision": "fp32"},
                     "graphs": {"target": {"file": f"{kv_io}/model.onnx", **io}}}
         target = OrtTarget(tmp_path, json.loads(json.dumps(manifest)), device="cpu", threads=1)
         target.prefill_chunk = 3
@@ -100,7 +100,7 @@ def test_static_ragged_batch_equals_solo_rows(tiny_model, tmp_path):
     io = export_target(tiny_model, [0], tmp_path / "t" / "model.onnx", kv_io="static")
     manifest = {"target": {"num_layers": cfg.num_hidden_layers, "num_key_value_heads": cfg.num_key_value_heads,
                            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
-                           "vocab_size": cfg.vocab_size},
+                           "vocab_size": cfg.vocab_size, "precision": "fp32"},
                 "graphs": {"target": {"file": "t/model.onnx", **io}}}
     target = OrtTarget(tmp_path, manifest, device="cpu", threads=1)
     prompts, steps = [[3, 4, 5, 6, 7, 8], [9, 10]], [[20, 21, 22], [23]]

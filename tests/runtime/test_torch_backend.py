@@ -22,7 +22,7 @@ import torch
 
 from plugins.rule import QueryScaleProfile, beta
 from runtime.engine import SpecEngine
-from runtime.manifest import EngineDirError
+from runtime.manifest import SCHEMA_VERSION, EngineDirError
 from runtime.sampling import SamplingParams
 from tests.conftest import ROOT, TINY_VOCAB, write_tiny_dflash
 
@@ -49,13 +49,15 @@ def _engines_dir(root: Path, checkpoint: Path, target_source: str = "smollm2-135
     root.mkdir(parents=True)
     shutil.copytree(tok_src, root / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors"))
     manifest = {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION, "created": "2026-12-02T00:00:00+00:00", "torch": torch.__version__,
         "drafter": {"family": "dflash", "checkpoint": str(checkpoint), "config": cfg.to_dict(),
-                    "block_size": cfg.block_size, "target_layer_ids": cfg.target_layer_ids,
-                    "mask_token_id": cfg.mask_token_id},
-        "query_scale": {**QueryScaleProfile(ref_keys=512).to_dict(), "source": "checkpoint"},
-        "target": {"source": target_source, "num_layers": 30, "vocab_size": 49152,
-                   "max_position_embeddings": 8192},
+                    "num_draft_tokens": cfg.block_size - 1, "verify_draft_tokens": cfg.block_size - 1,
+                    "num_keys": "s + block_size", "block_size": cfg.block_size,
+                    "target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
+        "query_scale": {**QueryScaleProfile(ref_keys=512).to_dict(), "source": "checkpoint", "num_keys": "s + B"},
+        "target": {"source": target_source, "architecture": "LlamaForCausalLM", "num_layers": 30,
+                   "hidden_size": 576, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+                   "max_position_embeddings": 8192, "precision": "fp32"},
         "tokenizer": {"dir": "tokenizer", "eos_token_ids": [2], "vocab_size": 49152},
         "shared_weights": {}, "graphs": {},
     }

@@ -1,0 +1,79 @@
+"""DFlash (z-lab, arXiv 2602.06036): one non-causal forward drafts a block [bonus, MASK x (B - 1)] from the target's
+tapped hidden states; every query of a block sees N = s + B keys (s committed context tokens)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.errors import ExportError
+from export.families import REPO_ROOT, DrafterFamily
+from export.rewrite import NumKeysFrom
+from plugins.rule import Family
+
+
+class DFlashFamily(DrafterFamily):
+    family = Family.DFLASH
+    default_checkpoint = REPO_ROOT / "drafters" / "dflash-smollm2-135m"
+    rewrite_num_keys = {"num_keys_input": "attention_mask", "num_keys_from": NumKeysFrom.KEY_MASK}
+    # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
+    num_keys_note = "per batch row: sum of the drafter's attention_mask"
+    fused_attention = True
+    draft_tokens_option = False
+    calibration_proxy = "proxy_mal"
+
+    def load(self, ckpt: Path):
+        from runtime.models.dflash import load_dflash
+
+        return load_dflash(ckpt)
+
+    def check_pair(self, drafter, target) -> None:
+        d, t = drafter.config, target.config
+        problems = []
+        if d.hidden_size != t.hidden_size:
+            problems.append(f"hidden_size {d.hidden_size} vs target {t.hidden_size}")
+        if d.num_target_layers != t.num_hidden_layers:
+            problems.append(f"num_target_layers {d.num_target_layers} vs target layers {t.num_hidden_layers}")
+        if problems:
+            raise ExportError("drafter checkpoint does not fit this target: " + "; ".join(problems)
+                              + " (pass the --target it was trained for)")
+
+    def taps(self, drafter, num_target_layers: int) -> list[int]:
+        return list(drafter.config.target_layer_ids)  # DFlash's target_layer_ids are decoder-layer outputs already
+
+    def draft_tokens(self, drafter, requested: int | None) -> int:
+        return drafter.config.block_size - 1  # fixed by the checkpoint's block size
+
+    def draft_vocab(self, ckpt: Path, full_vocab: bool, target_vocab_size: int) -> np.ndarray | None:
+        from runtime.draft_vocab import DRAFT_VOCAB_FILE, DraftVocabError, load_draft_vocab
+
+        if full_vocab or not (Path(ckpt) / DRAFT_VOCAB_FILE).is_file():
+            return None
+        try:
+            return load_draft_vocab(Path(ckpt) / DRAFT_VOCAB_FILE, target_vocab_size)
+        except DraftVocabError as e:
+            raise ExportError(f"{e} (or export with --full-vocab)") from e
+
+    def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
+        from export.graphs import export_drafter
+
+        return export_drafter(drafter, frozen, kv_io=drafter_kv_io), {}
+
+    def validate(self, drafter, k, path, io, profile, embed, lm_head, draft_ids):
+        from export.validate import validate_drafter
+
+        # with a draft vocabulary the graph is checked on the LM-head rows the runtime will feed
+        head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
+        return validate_drafter(drafter, path, io, profile, embed, head)
+
+    def manifest_entry(self, ckpt, drafter, k):
+        c = drafter.config
+        return {**self._base_entry(ckpt, drafter, k), "block_size": c.block_size,
+                "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id,
+                "mask_embedding": c.uses_mask_embedding, "num_keys": "s + block_size (all queries of a block)"}
+
+    def calibration_runner(self, drafter, target):
+        from export.calibrate import DFlashRunner
+
+        return DFlashRunner(drafter, target)

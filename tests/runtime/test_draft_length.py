@@ -1,0 +1,107 @@
+"""Draft length by load and by acceptance (runtime/draft_length.py), n > 1 prefill sharing and per-token logprobs,
+on the scripted backends: every policy stays lossless and does what it says."""
+import numpy as np
+import pytest
+
+from runtime.draft_length import AdaptiveDraftTokens, DraftTokensByBatch
+from runtime.engine import SpecEngine
+from runtime.sampling import SamplingParams, processed_logprobs
+from tests.runtime.scripted import ScriptedTarget, oracle, saboteur
+from tests.runtime.test_loop import EOS, chain_table
+
+
+def _engine(target, drafter, **kw):
+    return SpecEngine(target, drafter, eos_token_ids=[EOS], check_invariants=True, **kw)
+
+
+@pytest.mark.parametrize("spec, sizes, ks", [("1-2:7,3-4:3,5-:0", [1, 2, 3, 4, 5, 50], [7, 7, 3, 3, 0, 0]),
+                                              ("1:4,2-:1", [1, 2, 9], [4, 1, 1])])
+def test_table_parses_and_answers(spec, sizes, ks):
+    t = DraftTokensByBatch.parse(spec)
+    assert [t(b) for b in sizes] == ks and DraftTokensByBatch.parse(str(t)) == t
+
+
+@pytest.mark.parametrize("bad", ["", "1-2:7", "2-:3", "1-2:7,4-:0", "1-3:2,3-:1", "a-b:c", "1-:x", "0-:2"])
+def test_table_refusals_name_the_problem(bad):
+    with pytest.raises(ValueError, match="draft tokens by batch"):
+        DraftTokensByBatch.parse(bad)
+
+
+def _max_k(result) -> int:
+    """The largest draft length any round of a request used."""
+    return sum(1 for d in result.stats.drafted_per_position if d)
+
+
+def test_draft_length_follows_the_batch_size_and_stays_lossless():
+    target = ScriptedTarget(chain_table(16, {}))
+    table = DraftTokensByBatch.parse("1:4,2-3:2,4-:0")
+    eng = _engine(target, oracle(target, 4), draft_tokens_by_batch=table)
+    prompts = [[1, 2], [3, 4], [5, 6], [8, 9]]
+    ref = [eng.generate_target_only(p, 12).token_ids for p in prompts]
+    for n, k in ((1, 4), (2, 2), (4, 0)):  # rows of equal length finish together: the batch size holds
+        outs = eng.generate_batch([(p, SamplingParams(max_new_tokens=12)) for p in prompts[:n]])
+        assert [o.token_ids for o in outs] == ref[:n]
+        assert {_max_k(o) for o in outs} == {k}
+    own = eng.generate_batch([(p, SamplingParams(max_new_tokens=12, num_draft_tokens=3)) for p in prompts])
+    assert {_max_k(o) for o in own} == {3}  # a request's own k wins over the table
+
+
+def test_adaptive_schedule():
+    a = AdaptiveDraftTokens(6)
+    a.update(6, 6)
+    assert a.k == 6  # capped at k_max
+    for _ in range(3):
+        a.update(a.k, 0)
+    assert a.k == 3
+    a.update(3, 3)
+    assert a.k == 5
+    for _ in range(9):
+        a.update(a.k, 0)
+    assert a.k == 1  # never below 1
+
+
+def test_adaptive_draft_length_drops_on_rejections_and_stays_lossless():
+    target = ScriptedTarget(chain_table(16, {}))
+    bad = _engine(target, saboteur(target, 6, wrong_at=0), adaptive_draft_tokens=True)
+    out = bad.generate([1, 2], 30)
+    assert out.token_ids == bad.generate_target_only([1, 2], 30).token_ids
+    # every round is rejected at once: k goes 6, 5, 4, 3, 2, 1, 1, ...; the drafted counts show it
+    assert out.stats.drafted_per_position[0] == out.stats.rounds and out.stats.drafted_per_position[:6] == \
+        [out.stats.rounds, 5, 4, 3, 2, 1]
+    good = _engine(target, oracle(target, 6), adaptive_draft_tokens=True)
+    out = good.generate([1, 2], 30)
+    assert out.stats.drafted_per_position[5] == out.stats.rounds  # all accepted: k stays at 6
+
+
+def test_n_choices_share_one_prefill():
+    target = ScriptedTarget(chain_table(16, {}))
+    eng = _engine(target, oracle(target, 3))
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=1)
+    seqs = [eng.add_request([1, 2, 3], params, request_id=f"c{i}", prefill_group="g") for i in range(3)]
+    before = len(target.calls)
+    eng.step()
+    assert len(target.calls) == before + 1  # one prefill for the three
+    while eng.sequences:
+        eng.step()
+    alone = eng.generate([1, 2, 3], params=params)
+    assert all(s.result().token_ids == alone.token_ids for s in seqs)  # same seed, same prompt: same sample
+
+
+def test_logprobs_follow_the_emitted_tokens_and_are_trimmed_at_a_stop():
+    target = ScriptedTarget(chain_table(16, {}))
+    eng = _engine(target, oracle(target, 4))
+    params = SamplingParams(max_new_tokens=10, logprobs=2)
+    spec = eng.generate([1, 2], params=params)
+    base = eng.generate_target_only([1, 2], params=params)
+    assert spec.token_ids == base.token_ids and len(spec.logprobs) == len(spec.token_ids)
+    for a, b, t in zip(spec.logprobs, base.logprobs, spec.token_ids):
+        assert a.token_id == b.token_id == t and abs(a.logprob - b.logprob) < 1e-6 and a.top == b.top
+        assert a.top[0][0] == t and len(a.top) == 2  # greedy: the emitted token is the most likely
+    row = target.table[2]  # the first emitted token was scored after the prompt's last token, 2
+    assert spec.logprobs[0].logprob == pytest.approx(float(processed_logprobs(row, params)[spec.token_ids[0]]))
+    stop_at = spec.token_ids[4]  # a stop token inside an accepted block
+    stopped = eng.generate([1, 2], params=SamplingParams(max_new_tokens=10, logprobs=0, stop_token_ids=(stop_at,)))
+    assert stopped.token_ids == spec.token_ids[:5] and stopped.finish_reason == "stop"
+    assert [lp.token_id for lp in stopped.logprobs] == stopped.token_ids
+    assert all(lp.top == () for lp in stopped.logprobs)
+    assert not np.allclose([lp.logprob for lp in spec.logprobs], 0.0)
