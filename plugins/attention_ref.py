@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.rule import QueryScaleProfile, beta_torch
+from plugins.rule import QueryScaleProfile, beta_torch, visible_keys  # noqa: F401 (visible_keys: re-used here)
 
 # The fused op's identity, shared by the ONNX fusion pass (export/fuse.py), the ORT custom op (plugins/ort_op.py) and
 # the TensorRT plugin (plugins/tensorrt_plugin.py): node ``sharpdraft::QueryScaledAttention``, opset version 1.
@@ -27,23 +27,6 @@ DOMAIN = "sharpdraft"
 OP_TYPE = "QueryScaledAttention"
 OP_VERSION = 1
 PLUGIN_NAME = f"{DOMAIN}::{OP_TYPE}"  # tensorrt.plugin registration name
-
-
-def visible_keys(kv_lens: torch.Tensor, q_len: int, causal: bool, window: int | None = None) -> torch.Tensor:
-    """N per (batch, query row): int64 ``[batch, q_len]``.
-
-    Args:
-        kv_lens: int ``[batch]`` keys per sequence (>= q_len when causal).
-        q_len: queries per sequence (the block).
-        causal: rows see kv_len - q_len + i + 1 keys; else all kv_len keys.
-        window: optional sliding window; N = min(N, window).
-    """
-    kv = kv_lens.to(torch.int64)[:, None]
-    rows = torch.arange(q_len, device=kv.device)[None]
-    n = kv - q_len + rows + 1 if causal else kv.expand(-1, q_len)
-    if window is not None:
-        n = n.clamp(max=window)
-    return n
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,

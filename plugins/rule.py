@@ -160,3 +160,41 @@ def beta_torch(num_keys, profile: QueryScaleProfile):
         return torch.ones_like(n)
     r = torch.clamp((n - profile.top_k) / float(profile.ref_keys - profile.top_k), min=1.0)
     return torch.clamp(1.0 + torch.log(r) / float(profile.slope), max=float(profile.cap))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# N, the visible-key count (docs/design.md §1), and the per-row switch: every form of the rule counts N with these
+# (the torch reference and kernel wrappers, transformers attention functions, the EAGLE-3 / PARD modules and the
+# TensorRT-LLM hooks); the ONNX rewrite builds the same counts in-graph (export/rules/, tested against these).
+# ---------------------------------------------------------------------------------------------------------------
+def visible_keys(kv_lens, q_len: int, causal: bool, window: int | None = None):
+    """N per (batch, query row) from key lengths: int64 ``[batch, q_len]`` torch tensor.
+
+    Args:
+        kv_lens: int ``[batch]`` keys per sequence (>= q_len when causal), a tensor or a sequence.
+        q_len: query rows per sequence (a block, or 1 for a decode step).
+        causal: row i sees ``kv_len - q_len + i + 1`` keys (verify blocks, causal drafters); else all ``kv_len``
+            (DFlash blocks: every query of a block sees the whole context and block).
+        window: a sliding-window layer's window W: N = min(N, W).
+    """
+    import torch
+
+    kv = torch.as_tensor(kv_lens).to(torch.int64)[:, None]
+    rows = torch.arange(q_len, device=kv.device)[None]
+    n = kv - q_len + rows + 1 if causal else kv.expand(-1, q_len)
+    return n.clamp(max=window) if window is not None else n
+
+
+def count_visible(visible):
+    """N per query row from a boolean visibility mask ``[..., keys]`` (True = the row may attend to the key):
+    float32 ``[..., 1]``, the form that broadcasts onto a query ``[batch, heads, q_len, head_dim]``."""
+    return visible.to(__import__("torch").float32).sum(-1, keepdim=True)
+
+
+def switch_rows(beta, row_switch):
+    """The per-request on/off of the query scale: ``1 + (beta - 1) * switch`` with ``row_switch`` ``[batch]``
+    (1 = scaled, 0 = frozen), broadcast over ``beta`` ``[batch, ...]``. None leaves ``beta`` as it is. The ONNX
+    rewrite inserts the same arithmetic on its ``query_scale_enabled`` input."""
+    if row_switch is None:
+        return beta
+    return 1.0 + (beta - 1.0) * row_switch.to(beta.device, beta.dtype).view(-1, *([1] * (beta.dim() - 1)))

@@ -64,7 +64,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from plugins.rule import Family, QueryScaleProfile, beta_torch
+from plugins.rule import Family, QueryScaleProfile, beta_torch, visible_keys
 from plugins.trtllm_tables import logn_scaling_table
 
 SUPPORTED = (
@@ -196,10 +196,7 @@ def block_visible_keys(kv_lens: torch.Tensor, window_left: int | None = None) ->
     Returns:
         int64 ``[batch]``.
     """
-    n = kv_lens.to(torch.int64)
-    if window_left is not None:
-        n = torch.clamp(n, max=window_left + 1)
-    return n
+    return visible_keys(kv_lens, 1, causal=False, window=None if window_left is None else window_left + 1)[:, 0]
 
 
 def scale_rows(x: torch.Tensor, num_keys: torch.Tensor, profile: QueryScaleProfile) -> torch.Tensor:

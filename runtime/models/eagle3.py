@@ -212,13 +212,10 @@ def causal_mask(attention_mask: torch.Tensor, q: int, dtype: torch.dtype) -> tor
 
 def row_beta(attention_mask: torch.Tensor, q: int, profile, row_switch: torch.Tensor | None = None):
     """beta per query row ``[batch, 1, q, 1]`` f32: N = visible keys of that row (position + 1 without holes)."""
-    from plugins.rule import beta_torch
+    from plugins.rule import beta_torch, count_visible, switch_rows
 
-    n = (causal_mask(attention_mask, q, torch.float32) == 0).sum(-1, keepdim=True)  # [batch, 1, q, 1]
-    beta = beta_torch(n, profile).float()
-    if row_switch is not None:
-        beta = 1 + (beta - 1) * row_switch.float().view(-1, 1, 1, 1)
-    return beta
+    n = count_visible(causal_mask(attention_mask, q, torch.float32) == 0)  # [batch, 1, q, 1]
+    return switch_rows(beta_torch(n, profile).float(), row_switch)
 
 
 _KEY_MAP = (("midlayer.", "midlayer."), ("layers.0.", "midlayer."), ("model.layers.0.", "midlayer."),

@@ -30,7 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-from plugins.rule import QueryScaleProfile, beta_torch
+from plugins.rule import QueryScaleProfile, beta_torch, count_visible, switch_rows
+from plugins.rule import visible_keys as rule_visible_keys
 from runtime.models import attention_probe
 
 ATTN_IMPLEMENTATION = "sharpdraft_eager"
@@ -97,8 +98,7 @@ def visible_keys(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, *
         ValueError: a mask that is not 4-D, or not bool / floating.
     """
     if attention_mask is None:
-        rows = torch.arange(q_len, dtype=torch.float32)
-        n = (kv_len - q_len + rows + 1).clamp(min=1) if causal else torch.full((q_len,), float(kv_len))
+        n = rule_visible_keys([kv_len], q_len, causal).clamp(min=1).to(torch.float32)
         return n.view(1, 1, q_len, 1)
     if attention_mask.ndim != 4:
         raise ValueError(f"expected a 4-D attention mask, got shape {tuple(attention_mask.shape)}")
@@ -109,7 +109,7 @@ def visible_keys(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, *
         visible = mask > hidden_threshold(mask.dtype)
     else:
         raise ValueError(f"attention mask must be bool or floating, got {mask.dtype}")
-    return visible.to(torch.float32).sum(-1, keepdim=True)
+    return count_visible(visible)
 
 
 def row_betas(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, profile: QueryScaleProfile | None,
@@ -117,10 +117,7 @@ def row_betas(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, prof
     """float32 beta per query row (shape of :func:`visible_keys`), with the per-batch-row switch applied."""
     if profile is None:
         return torch.ones(1, 1, q_len, 1)
-    beta = beta_torch(visible_keys(attention_mask, q_len, kv_len, causal=causal), profile)
-    if row_switch is not None:
-        beta = 1.0 + (beta - 1.0) * row_switch.to(beta.device).view(-1, 1, 1, 1)
-    return beta
+    return switch_rows(beta_torch(visible_keys(attention_mask, q_len, kv_len, causal=causal), profile), row_switch)
 
 
 def _eager_for(module: torch.nn.Module):

@@ -75,3 +75,28 @@ def test_unknown_family_and_fields():
 def test_round_trip():
     p = QueryScaleProfile(ref_keys=512, slope=4.0, enabled=False)
     assert QueryScaleProfile.from_dict(p.to_dict()) == p
+
+
+def test_every_form_of_n_agrees_with_the_rule():
+    """N is counted in one place (plugins/rule.py); the transformers, TensorRT-LLM and mask forms equal it."""
+    import torch
+
+    from plugins.rule import count_visible, switch_rows, visible_keys
+    from plugins.trtllm_patch import block_visible_keys, causal_visible_keys
+    from runtime.models.hf_query_scale import visible_keys as hf_visible_keys
+
+    kv = torch.tensor([7, 12])
+    causal = visible_keys(kv, 4, causal=True)
+    assert causal.tolist() == [[4, 5, 6, 7], [9, 10, 11, 12]]
+    assert visible_keys(kv, 4, causal=False, window=10).tolist() == [[7] * 4, [10] * 4]
+    # a causal boolean mask [batch, 1, q, keys] counted row by row gives the same N
+    j, i = torch.arange(12)[None, None, None, :], torch.arange(4)[None, None, :, None]
+    mask = (j <= kv[:, None, None, None] - 4 + i) & (j < kv[:, None, None, None])
+    assert count_visible(mask)[:, 0, :, 0].tolist() == causal.tolist()
+    assert hf_visible_keys(mask, 4, 12)[:, 0, :, 0].tolist() == causal.tolist()
+    assert hf_visible_keys(None, 4, 12)[0, 0, :, 0].tolist() == causal[1].tolist()
+    assert causal_visible_keys(torch.arange(8, 12), 4).tolist() == causal[1].tolist()
+    assert block_visible_keys(kv).tolist() == [7, 12] and block_visible_keys(kv, window_left=9).tolist() == [7, 10]
+    beta = torch.tensor([[1.5], [1.25]])
+    assert switch_rows(beta, torch.tensor([1.0, 0.0])).tolist() == [[1.5], [1.0]]
+    assert switch_rows(beta, None) is beta
