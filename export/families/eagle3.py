@@ -49,6 +49,14 @@ class Eagle3Family(DrafterFamily):
         # EAGLE-3 names HF hidden_states indices; tap i of TargetForExport is hidden_states[i + 1]
         return [i - 1 for i in aux_layers(drafter, num_target_layers)]
 
+    def draft_tokens(self, drafter, requested: int | None) -> int:
+        """``--num-draft-tokens``, else the checkpoint's ``sharpdraft_num_draft_tokens``, else a speculators config's
+        proposal length (``speculative_tokens``), else 5."""
+        from export.families import checkpoint_field
+
+        return int(requested or checkpoint_field(drafter, "sharpdraft_num_draft_tokens")
+                   or drafter.config.num_speculative_tokens or self.default_draft_tokens)
+
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
         from export.graphs import export_eagle3_drafter
 

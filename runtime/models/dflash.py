@@ -49,6 +49,26 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def refuse_lookalikes(d: dict[str, Any]) -> None:
+    """Refuse, with one message naming what is missing, the drafters whose configs resemble DFlash's but whose
+    weights and decoding differ: DFlash2 (conv layers + candidate selector), DSpark (Markov / confidence heads),
+    speculators-format DFlash (its own embedding and draft-vocabulary LM head). Raises CheckpointError."""
+    arch = " ".join(d.get("architectures") or [])
+    dcfg = d.get("dflash_config") or {}
+    if "DFlash2" in arch or any(k in dcfg for k in ("conv_kernel_size", "selector_rank", "selector_top_k")):
+        raise CheckpointError(f"{arch or 'this config'} is a DFlash2 drafter: sharpdraft supports DFlash v1 only "
+                              "(missing: the per-layer attention_conv / mlp_conv kernels and the candidate_selector "
+                              "that re-ranks block candidates); it cannot be loaded as plain DFlash")
+    if "DSpark" in arch or "markov_rank" in d or "markov_head_type" in d:
+        raise CheckpointError(f"{arch or 'this config'} is a DSpark drafter: not supported (missing: its Markov head, "
+                              "confidence head and own embedding / LM head); it cannot be loaded as plain DFlash")
+    if d.get("speculators_model_type") is not None:
+        raise CheckpointError(f"a speculators-format {d['speculators_model_type']} drafter "
+                              "(speculators_model_type): DFlash in this format (its own embed_tokens and a "
+                              "draft-vocabulary lm_head with d2t) is not supported yet; use the z-lab layout "
+                              "(config.json with dflash_config), or --drafter eagle3 for a speculators EAGLE-3 head")
+
+
 @dataclasses.dataclass(slots=True)
 class DFlashConfig:
     """Fields of a DFlash ``config.json`` that the drafter uses (others are kept in ``extra``)."""
@@ -87,9 +107,16 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        """Parse a DFlash ``config.json`` dict (Qwen3Config + DFlash fields). Raises CheckpointError if incomplete."""
+        """Parse a DFlash ``config.json`` dict (Qwen3Config + DFlash fields): z-lab's layout (``dflash_config`` with
+        ``mask_token_id`` / ``target_layer_ids``, ``block_size`` top-level or in ``dflash_config``) and the flat
+        variant (those fields top-level). Raises CheckpointError if incomplete, or for a drafter of another kind
+        that only looks like DFlash (:func:`refuse_lookalikes`)."""
+        refuse_lookalikes(d)
         d = dict(d)
         dcfg = d.pop("dflash_config", None) or {}
+        for name in ("mask_token_id", "target_layer_ids", "block_size"):  # flat variant; dflash_config wins
+            if name not in dcfg and name in d:
+                dcfg[name] = d[name]
         try:
             rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1_000_000.0
             n_layers = int(d["num_hidden_layers"])
@@ -101,7 +128,7 @@ class DFlashConfig:
                 num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
                 head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
                 intermediate_size=int(d["intermediate_size"]), vocab_size=int(d["vocab_size"]),
-                block_size=int(d["block_size"]), mask_token_id=int(dcfg["mask_token_id"]),
+                block_size=int(dcfg["block_size"]), mask_token_id=int(dcfg["mask_token_id"]),
                 target_layer_ids=[int(i) for i in ids], num_target_layers=n_target,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
                 max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
@@ -112,7 +139,7 @@ class DFlashConfig:
         layer_types = d.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
             raise CheckpointError(f"layer_types {layer_types}: sliding-window DFlash layers are not supported yet")
-        keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale"}
+        keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale", "target_layer_ids"}
         return cls(**known, extra={k: v for k, v in d.items() if k not in keys})
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,9 +172,49 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """NeoX-style RoPE tables. position_ids ``[batch, seq]`` int64 -> cos, sin ``[batch, 1, seq, head_dim]``."""
+ROPE_TYPES = ("default", "llama3")
+
+
+def rope_type_of(scaling: dict | None) -> str:
+    """The rope type of a config's ``rope_scaling`` / ``rope_parameters`` dict (None or no type: "default")."""
+    return (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` float32, with ``rope_scaling`` applied.
+
+    ``scaling``: None / type "default", or type "llama3" (Llama 3.1's frequency-dependent scaling: ``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``; wavelengths longer than
+    ``original / low_freq_factor`` are divided by ``factor``, shorter than ``original / high_freq_factor`` kept,
+    and those between interpolated), as transformers' ``ROPE_INIT_FUNCTIONS["llama3"]`` computes it.
+
+    Raises:
+        ValueError: another rope type, or a llama3 dict missing a field.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind = rope_type_of(scaling)
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    try:
+        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), \
+            float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"llama3 rope_scaling is missing {e.args[0]!r}") from None
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    between = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None):
+    """NeoX-style RoPE tables. position_ids ``[batch, seq]`` int64 -> cos, sin ``[batch, 1, seq, head_dim]``;
+    ``scaling``: a config's ``rope_scaling`` (:func:`rope_inv_freq`)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [batch, seq, head_dim/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]

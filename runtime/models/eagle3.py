@@ -34,12 +34,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models import attention_probe
-from runtime.models.dflash import CheckpointError, DFlashMLP, RMSNorm, apply_rope, check_state, rope_cos_sin
+from runtime.models.dflash import (ROPE_TYPES, CheckpointError, DFlashMLP, RMSNorm, apply_rope, check_state,
+                                   rope_cos_sin, rope_inv_freq, rope_type_of)
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     """EAGLE-3's default taps: the inputs of target layers 2, L // 2 and L - 3."""
     return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+def _flatten_speculators(d: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """A speculators-format config (vLLM's ``speculators`` library) as the flat Llama-style dict, and its proposal
+    length (``speculative_tokens`` of the default proposal method). Other configs pass through unchanged.
+
+    Raises:
+        CheckpointError: a speculators config of another algorithm (``speculators_model_type``).
+    """
+    kind = d.get("speculators_model_type")
+    if kind is None:
+        return d, None
+    if kind != "eagle3":
+        raise CheckpointError(f"speculators_model_type {kind!r}: this is not an EAGLE-3 checkpoint (use the "
+                              f"matching --drafter, e.g. --drafter {kind} where sharpdraft supports it)")
+    layer = d.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise CheckpointError("speculators EAGLE-3 config has no transformer_layer_config (the decoder layer's "
+                              "Llama config); the checkpoint is incomplete")
+    flat = {**layer, **{k: v for k, v in d.items() if k not in ("transformer_layer_config", "speculators_config")
+                        and v is not None}}
+    sc = d.get("speculators_config") or {}
+    methods = sc.get("proposal_methods") or []
+    default = sc.get("default_proposal_method")
+    chosen = next((m for m in methods if m.get("proposal_type") == default), methods[0] if methods else {})
+    k = chosen.get("speculative_tokens")
+    return flat, int(k) if k else None
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,19 +86,30 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
     query_scale: dict | None = None  # sharpdraft extension: a QueryScaleProfile dict suited to this drafter
     raw: dict = dataclasses.field(default_factory=dict)
+    rope_scaling: dict | None = None  # None / "default", or Llama 3.1's "llama3" (runtime/models/dflash.py)
+    norm_before_residual: bool = False  # speculators' option: the residual is hidden_norm(h) instead of h
+    num_speculative_tokens: int | None = None  # speculators_config's proposal length, the default K
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
-        """Parse an EAGLE-3 ``config.json`` dict. Raises CheckpointError if fields are missing or unsupported."""
+        """Parse an EAGLE-3 ``config.json`` dict: the Llama-style layout (SafeAILab, SGLang / SpecForge, AngelSlim)
+        or vLLM's speculators layout (``speculators_model_type: "eagle3"``, the layer under
+        ``transformer_layer_config``, the proposal length in ``speculators_config``). Raises CheckpointError if
+        fields are missing or unsupported."""
+        raw = dict(d)
+        d, spec_k = _flatten_speculators(d)
         ecfg = d.get("eagle_config") or {}
         try:
             if int(d.get("num_hidden_layers", 1)) != 1:
                 raise CheckpointError(f"num_hidden_layers {d['num_hidden_layers']}: EAGLE-3 drafters with more than "
                                       "one decoder layer are not supported")
             scaling = d.get("rope_scaling") or (d.get("rope_parameters") or {})
-            rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+            rope_type = rope_type_of(scaling)
+            if rope_type not in ROPE_TYPES:
+                raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported for EAGLE-3 drafters "
+                                      f"(supported: {', '.join(ROPE_TYPES)})")
             if rope_type != "default":
-                raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported for EAGLE-3 drafters")
+                rope_inv_freq(8, 10000.0, scaling)  # a llama3 dict missing a field fails here, at load
             rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0
             hidden = int(d["hidden_size"])
             aux = ecfg.get("eagle_aux_hidden_state_layer_ids") or d.get("eagle_aux_hidden_state_layer_ids")
@@ -84,9 +123,14 @@ class Eagle3Config:
                        aux_layer_ids=[int(i) for i in aux] if aux else None,
                        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)), rope_theta=float(rope_theta),
                        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                       query_scale=d.get("sharpdraft_query_scale"), raw=dict(d))
+                       query_scale=d.get("sharpdraft_query_scale"), raw=raw,
+                       rope_scaling=dict(scaling) if rope_type != "default" else None,
+                       norm_before_residual=bool(d.get("norm_before_residual", False)),
+                       num_speculative_tokens=spec_k)
         except KeyError as e:
             raise CheckpointError(f"EAGLE-3 config is missing field {e.args[0]!r}") from e
+        except ValueError as e:
+            raise CheckpointError(f"EAGLE-3 config: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.raw)
@@ -192,11 +236,12 @@ class Eagle3Drafter(nn.Module):
             z = hidden.new_zeros(b, cfg.num_key_value_heads, 0, cfg.head_dim)
             past_kv = (z, z)
         add_mask = causal_mask(attention_mask, q, hidden.dtype)
-        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, hidden.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, hidden.dtype, cfg.rope_scaling)
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)
         attn, k, v = layer.self_attn(x, cos, sin, past_kv[0], past_kv[1], add_mask, beta)
-        h = hidden + attn
+        h = (normed if cfg.norm_before_residual else hidden) + attn
         return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
 
 

@@ -1,0 +1,151 @@
+"""Real config.json files of public drafters (tests/fixtures/configs/, provenance in its README) load, or are refused
+with one message that names what is missing; their weights are random, at shrunk shapes where the true ones would
+not fit a unit test."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime.models.dflash import CheckpointError, DFlashConfig, rope_inv_freq
+from runtime.models.eagle3 import Eagle3Config, load_eagle3
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+
+
+def _cfg(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def test_dflash_configs_load_at_their_true_shapes():
+    c = DFlashConfig.from_dict(_cfg("specforge-qwen3-8b-dflash.json"))
+    assert (c.hidden_size, c.num_hidden_layers, c.block_size, c.mask_token_id) == (4096, 5, 16, 151669)
+    assert c.target_layer_ids == [1, 9, 17, 25, 33] and c.num_target_layers == 36
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("dflash2-config.z-lab-fixture.json", "DFlash2 drafter: sharpdraft supports DFlash v1 only (missing: the per-layer "
+                                          "attention_conv / mlp_conv kernels and the candidate_selector"),
+    ("deepseek-ai-dspark_qwen3_4b_block7.TRIMMED.json", "DSpark drafter: not supported (missing: its Markov head"),
+    ("speculators-dflash-example.config.json", "speculators-format dflash drafter"),
+    ("specforge-qwen3.6-27b-dflash.json", "sliding-window DFlash layers are not supported yet"),
+])
+def test_lookalikes_are_refused_with_one_clear_message(name, needle):
+    with pytest.raises(CheckpointError) as e:
+        DFlashConfig.from_dict(_cfg(name))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_flat_dflash_variant_reads_top_level_fields():
+    d = _cfg("specforge-qwen3-8b-dflash.json")
+    dcfg = d.pop("dflash_config")
+    flat = {**d, **dcfg}
+    c = DFlashConfig.from_dict(flat)
+    assert c.mask_token_id == dcfg["mask_token_id"] and c.target_layer_ids == dcfg["target_layer_ids"]
+
+
+def test_speculators_eagle3_config_is_flattened():
+    c = Eagle3Config.from_dict(_cfg("nm-testing-EAGLE3-LLaMA3.1-Instruct-8B-converted.config.json"))
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4096, 32, 8, 128)
+    assert (c.vocab_size, c.draft_vocab_size, c.target_hidden_size) == (128256, 32000, 4096)  # null -> hidden
+    assert c.num_speculative_tokens == 5 and c.rope_theta == 10000.0 and c.rope_scaling is None
+    assert c.max_position_embeddings == 2048 and not c.norm_before_residual
+    official = Eagle3Config.from_dict(_cfg("SafeAILab-EAGLE-traineagle3-config.json"))
+    assert (official.hidden_size, official.draft_vocab_size, official.rope_theta) == (4096, 32000, 10000.0)
+    with pytest.raises(CheckpointError, match="speculators_model_type 'dflash': this is not an EAGLE-3"):
+        Eagle3Config.from_dict(_cfg("speculators-dflash-example.config.json"))
+
+
+def test_llama3_rope_equals_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d = _cfg("llama-3.1-8b-instruct.config.json")
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**{k: v for k, v in d.items() if k != "architectures"}), "cpu")
+    ours = rope_inv_freq(128, d["rope_theta"], d["rope_scaling"])
+    assert torch.equal(ours, ref.float())
+    assert not torch.allclose(ours, rope_inv_freq(128, d["rope_theta"]))  # the scaling does something
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        rope_inv_freq(128, 1e6, {"rope_type": "yarn", "factor": 4.0})
+
+
+def _shrunk_speculators_eagle3(path: Path, **layer_over) -> dict:
+    """The speculators EAGLE-3 config with its layer shrunk (hidden 4096 -> 64) and random weights in speculators'
+    key layout (``layers.0.*``, ``d2t`` / ``t2d``; the embedding borrowed from the target)."""
+    cfg = _cfg("nm-testing-EAGLE3-LLaMA3.1-Instruct-8B-converted.config.json")
+    h, vd = 64, 512
+    cfg["transformer_layer_config"].update(hidden_size=h, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=128, **layer_over)
+    v = cfg["transformer_layer_config"]["vocab_size"]
+    cfg["draft_vocab_size"] = vd
+    g = torch.Generator().manual_seed(0)
+    w = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    p = "layers.0."
+    st = {"fc.weight": w(h, 3 * h), "norm.weight": 1 + w(h), "lm_head.weight": w(vd, h),
+          p + "self_attn.q_proj.weight": w(64, 2 * h), p + "self_attn.k_proj.weight": w(32, 2 * h),
+          p + "self_attn.v_proj.weight": w(32, 2 * h), p + "self_attn.o_proj.weight": w(h, 64),
+          p + "mlp.gate_proj.weight": w(128, h), p + "mlp.up_proj.weight": w(128, h), p + "mlp.down_proj.weight": w(h, 128),
+          p + "input_layernorm.weight": 1 + w(h), p + "hidden_norm.weight": 1 + w(h),
+          p + "post_attention_layernorm.weight": 1 + w(h)}
+    ids = torch.randperm(v, generator=g)[:vd].sort().values
+    st["d2t"] = ids - torch.arange(vd)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(st, path / "model.safetensors")
+    return cfg
+
+
+def _run(d, embed):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (1, 6), generator=g)
+    hidden = d.project(torch.randn(1, 6, 3 * d.config.target_hidden_size, generator=g))
+    logits, _, _ = d(ids, hidden, torch.arange(100, 106)[None], torch.ones(1, 6, dtype=torch.long),
+                     embed_weight=embed)
+    return logits
+
+
+def test_speculators_eagle3_checkpoint_loads_and_runs(tmp_path):
+    from export.families import get_family
+
+    _shrunk_speculators_eagle3(tmp_path / "plain")
+    d = load_eagle3(tmp_path / "plain")
+    assert d.embed_tokens is None and d.t2d.sum() == 512  # t2d rebuilt from d2t
+    assert get_family("eagle3").draft_tokens(d, None) == 5  # speculators' proposal length
+    embed = torch.randn(d.config.vocab_size, 64) * 0.1
+    base = _run(d, embed)
+    assert torch.isfinite(base).all()
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    _shrunk_speculators_eagle3(tmp_path / "rope", rope_scaling=llama3)
+    scaled = load_eagle3(tmp_path / "rope")
+    assert scaled.config.rope_scaling["rope_type"] == "llama3"
+    assert not torch.allclose(_run(scaled, embed), base)  # same weights, scaled positions: other logits
+    _shrunk_speculators_eagle3(tmp_path / "nbr", norm_before_residual=True)
+    (tmp_path / "nbr" / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "nbr" / "config.json").read_text()), "norm_before_residual": True}))
+    nbr = load_eagle3(tmp_path / "nbr")
+    assert nbr.config.norm_before_residual and not torch.allclose(_run(nbr, embed), base)
+
+
+def test_eagle3_refuses_an_unknown_rope_type(tmp_path):
+    _shrunk_speculators_eagle3(tmp_path / "y", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(CheckpointError, match="rope_scaling type 'yarn' is not supported for EAGLE-3"):
+        load_eagle3(tmp_path / "y")
+
+
+def test_speculators_eagle3_with_llama3_rope_exports_and_validates(tmp_path, tiny_target_dir):
+    """A speculators-format EAGLE-3 head with llama3 rope scaling (shrunk to the tiny target) through
+    sharpdraft-export: ONNX Runtime equals torch at N below, at and above ref_keys, and K comes from the config."""
+    from export.pipeline import ExportConfig, run_export
+    from tests.conftest import TINY_VOCAB
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    _shrunk_speculators_eagle3(tmp_path / "ck", rope_scaling=llama3, vocab_size=TINY_VOCAB)
+    m = run_export(ExportConfig(family="eagle3", out=tmp_path / "e", checkpoint=tmp_path / "ck",
+                                target=str(tiny_target_dir), target_precision="fp32", ref_keys=64))
+    assert m["drafter"]["num_draft_tokens"] == 5
+    assert m["drafter"]["config"]["speculators_model_type"] == "eagle3"  # the checkpoint's own config, kept
+    pts = m["validation"]["drafter"]["points"]
+    assert pts and all(p["max_abs_diff_logits"] <= p["bound"] for p in pts)
