@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugins.rule import Family
 from runtime.models import attention_probe
 from runtime.models.dflash import (ROPE_TYPES, CheckpointError, DFlashMLP, RMSNorm, apply_rope, check_state,
                                    rope_cos_sin, rope_inv_freq, rope_type_of)
@@ -53,7 +54,7 @@ def _flatten_speculators(d: dict[str, Any]) -> tuple[dict[str, Any], int | None]
     kind = d.get("speculators_model_type")
     if kind is None:
         return d, None
-    if kind != "eagle3":
+    if kind != Family.EAGLE3:  # speculators names its algorithms as sharpdraft names its families
         raise CheckpointError(f"speculators_model_type {kind!r}: this is not an EAGLE-3 checkpoint (use the "
                               f"matching --drafter, e.g. --drafter {kind} where sharpdraft supports it)")
     layer = d.get("transformer_layer_config")
