@@ -56,6 +56,7 @@ without TensorRT-LLM; the installer only resolves names and swaps attributes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import importlib
 import threading
@@ -73,7 +74,20 @@ SUPPORTED = (
     "attention/backends/fmha/interface.py @b0a6e828)"
 )
 FAMILIES = tuple(f.value for f in Family)
-ROUTES = ("multiply", "logn_table")
+class Route(str, enum.Enum):
+    """How beta reaches TensorRT-LLM's attention (module docstring). A ``str`` enum: equal to its value."""
+
+    MULTIPLY = "multiply"  # q * beta in PyTorch before the kernel (all families)
+    LOGN_TABLE = "logn_table"  # FmhaParams' log-n scaling table (PARD, Eagle3; unverified on a GPU)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+ROUTES = tuple(r.value for r in Route)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Where things live (data, not if-chains). First importable candidate wins.
@@ -475,7 +489,7 @@ def apply_to_model(model: Any, family: str) -> int:
             if not hasattr(m, "q_size"):
                 raise _structure_error(version, f"{type(m).__name__}.q_size")
             undo = []
-            if route == "multiply":
+            if route == Route.MULTIPLY:
                 name = _q_hook_name(m)
                 m.__dict__[name] = _make_q_hook(m, name, profile, counter)
                 undo.append((m, name))
@@ -564,7 +578,8 @@ def install_query_scale(profile_by_family: Mapping[str, QueryScaleProfile] | Non
     """
     global _STATE
     if route not in ROUTES:
-        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    route = Route(route)
     profiles = dict(profile_by_family) if profile_by_family is not None else {
         f: QueryScaleProfile.for_family(f) for f in Family}
     for fam, prof in profiles.items():
@@ -592,7 +607,7 @@ def install_query_scale(profile_by_family: Mapping[str, QueryScaleProfile] | Non
             attention_base = _first_attr(ATTENTION_MODULES, "Attention", version)
             _check_attention_base(attention_base, version)
         fmha_params = None
-        if route == "logn_table" and per_instance:
+        if route == Route.LOGN_TABLE and per_instance:
             fmha_params = _first_attr(FMHA_INTERFACE_MODULES, "FmhaParams", version)
             fields = ({f.name for f in dataclasses.fields(fmha_params)}
                       if dataclasses.is_dataclass(fmha_params) else set())
@@ -602,7 +617,7 @@ def install_query_scale(profile_by_family: Mapping[str, QueryScaleProfile] | Non
             if not callable(getattr(fmha_params, "to_thop_params", None)):
                 raise _structure_error(version, "FmhaParams.to_thop_params")
 
-        routes = {fam: ("multiply" if DRAFTER_HOOKS[fam].block_decode else route) for fam in profiles}
+        routes = {fam: (Route.MULTIPLY if DRAFTER_HOOKS[fam].block_decode else route) for fam in profiles}
         hooks = {fam: f"{DRAFTER_HOOKS[fam].module}.{DRAFTER_HOOKS[fam].cls}.{DRAFTER_HOOKS[fam].method}"
                  for fam in profiles}
         state = _State(key=key, report=InstallReport(version, routes, hooks, profiles),
