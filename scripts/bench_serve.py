@@ -212,7 +212,9 @@ def main(engine_dir, concurrency, requests, max_tokens, context, chat, configs, 
     by_batch = DraftTokensByBatch.parse(table)
     engine = SpecEngine.from_dir(engine_dir, threads=threads)
     prompts = prompts_for(engine.tokenizer, context, chat)
-    result = {"engine": str(engine_dir), "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+    import os
+
+    result = {"engine": str(engine_dir), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "date": time.strftime("%Y-%m-%d"), "configs": cfgs, "max_tokens": max_tokens, "context": context,
               "table": str(by_batch), "verify_draft_tokens": engine.default_draft_tokens,
               "prompts": [n for n, _ in prompts], "levels": {}}
