@@ -197,13 +197,15 @@ class DrafterForExport(nn.Module):
         self.static = static
 
     def forward(self, input_ids, target_hidden, position_ids, attention_mask, past: list[torch.Tensor],
-                embed_weight, lm_head_weight):
+                embed_weight, lm_head_weight, draft_slots):
         emb = self.drafter.embed_block(input_ids, embed_weight)
         n = len(self.drafter.layers)
         past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(n)]
         h, kv = self.drafter(emb, target_hidden, position_ids, past_kv, key_mask=attention_mask,
                              new_kv_only=self.static)
-        logits = torch.matmul(h[:, 1:], lm_head_weight.transpose(0, 1))
+        # the LM head only on the block slots the runtime will verify (draft_slots = 1..k): with a 49k or 8k-row
+        # head it is most of a small drafter's cost, and verifying k < B - 1 tokens is the usual setting
+        logits = torch.matmul(torch.index_select(h, 1, draft_slots), lm_head_weight.transpose(0, 1))
         return logits, [t for pair in kv for t in pair]
 
 
@@ -282,13 +284,15 @@ def export_drafter(drafter: DFlashDrafter, path: Path, kv_io: str = "static") ->
     # The block size is part of the drafter (it was trained with it): static in the graph.
     dyn = ({0: batch}, {0: batch, 1: ctx}, {0: batch, 1: ctx + blk}, {0: batch, 1: torch.export.Dim.DYNAMIC},
            [{0: batch, 2: past_len} for _ in range(2 * n)], {},
-           {0: torch.export.Dim("draft_vocab", max=1 << 20)})  # LM-head rows: the full vocab or a draft vocab
+           {0: torch.export.Dim("draft_vocab", max=1 << 20)},  # LM-head rows: the full vocab or a draft vocab
+           {0: torch.export.Dim("draft_slots", max=blk)})  # which block slots get logits (1..k)
     inputs = ["input_ids", "target_hidden", "position_ids", "attention_mask", *kv_names(n, "past"), "embed_weight",
-              "lm_head_weight"]
+              "lm_head_weight", "draft_slots"]
     outputs = ["logits", *kv_names(n, "new" if static else "present")]
     head = torch.randn(cfg.vocab_size, cfg.hidden_size)  # a distinct tensor: aliased inputs would be merged
-    _export(DrafterForExport(drafter, static).eval(), (ids, th, pos, am, past, emb, head), inputs, outputs, dyn,
-            path)
+    slots = torch.arange(1, blk)
+    _export(DrafterForExport(drafter, static).eval(), (ids, th, pos, am, past, emb, head, slots), inputs, outputs,
+            dyn, path)
     return {"inputs": inputs, "outputs": outputs, "kv_io": kv_io}
 
 

@@ -230,6 +230,8 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
                 "target_hidden": np.concatenate([c["th"].numpy() for c in cases]),
                 "position_ids": np.concatenate([c["pos"].numpy() for c in cases]),
                 "embed_weight": embed.numpy(), "lm_head_weight": lm_head.numpy()}
+        if "draft_slots" in io["inputs"]:  # every slot: the reference returns logits for all B - 1
+            feed["draft_slots"] = np.arange(1, blk, dtype=np.int64)
         _, mask = dflash_block(lens, [ctx] * len(cases), l_max, blk)
         feed["attention_mask"] = mask
         if has_switch:
@@ -316,7 +318,8 @@ def validate_fused_drafter(fused: Path, portable: Path, io: dict, cfg, profile: 
         ids[:, 0] = rng.integers(0, cfg.vocab_size, b)
         pos, mask = dflash_block(lens, [ctx] * b, l_max, blk)
         out = {"input_ids": ids, "target_hidden": rng.standard_normal((b, ctx, f), np.float32) * 3,
-               "position_ids": pos, "attention_mask": mask, "embed_weight": embed, "lm_head_weight": lm_head}
+               "position_ids": pos, "attention_mask": mask, "embed_weight": embed, "lm_head_weight": lm_head,
+               "draft_slots": np.arange(1, blk, dtype=np.int64)}
         for name in past_names:
             buf = rng.standard_normal((b, cfg.num_key_value_heads, l_max, cfg.head_dim), np.float32)
             out[name] = buf * mask[:, None, :l_max, None].astype(np.float32)

@@ -44,9 +44,10 @@ class DrafterBackend(Protocol):
     def can_draft(self, committed: int) -> bool:
         """False when a block after ``committed`` tokens would pass the drafter's positions."""
 
-    def draft(self, caches: list, bonus_tokens: list[int], contexts: list, query_scale: list[bool] | None = None
-              ) -> np.ndarray:
-        """Logits ``[b, K, V_drafter]`` float32 of the draft slots after each row's bonus token."""
+    def draft(self, caches: list, bonus_tokens: list[int], contexts: list, query_scale: list[bool] | None = None,
+              num_tokens: int | None = None) -> np.ndarray:
+        """Logits ``[b, k, V_drafter]`` float32 of the draft slots after each row's bonus token, k >= ``num_tokens``
+        (the most any row of the call will verify; a drafter may use it to skip work) and <= K."""
 
 
 def check_backend(obj: Any, protocol: type) -> None:

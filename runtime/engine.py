@@ -347,10 +347,10 @@ class SpecEngine:
             else:  # DFlash: target features of the positions the drafter has not cached
                 contexts = [s.pending_ctx for s in rows]
             args = ([s.drafter_cache for s in rows], [s.out[-1] for s in rows], contexts)
-            if all(s.params.query_scale for s in rows):
-                logits = self.drafter.draft(*args)
-            else:
-                logits = self.drafter.draft(*args, query_scale=[s.params.query_scale for s in rows])
+            kw = {"num_tokens": max(ks[i] for i in drafting)}  # the drafter may skip slots nobody verifies
+            if not all(s.params.query_scale for s in rows):
+                kw["query_scale"] = [s.params.query_scale for s in rows]
+            logits = self.drafter.draft(*args, **kw)
             for i, s, lg in zip(drafting, rows, logits):
                 s.pending_ctx = s.pending_ctx[:0]
                 drafts[i], qs[i] = s.sampler.draft(self._draft_logits(lg, ks[i]), self.verification)

@@ -334,6 +334,7 @@ class OrtDFlashDrafter(_Graph):
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
         self.batched = "attention_mask" in graph["inputs"]
+        self.slot_input = "draft_slots" in graph["inputs"]  # the LM head scores only the slots asked for
         self.static = KvIo.parse(graph["kv_io"]) == KvIo.STATIC
         self._drafter_setup(engine_dir, manifest, graph)
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
@@ -362,8 +363,8 @@ class OrtDFlashDrafter(_Graph):
         return committed + self.block_size <= self.max_positions
 
     def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[np.ndarray],
-              query_scale: list[bool] | None = None) -> np.ndarray:
-        """Draft B-1 tokens after each row's bonus token.
+              query_scale: list[bool] | None = None, num_tokens: int | None = None) -> np.ndarray:
+        """Draft B-1 tokens (or the first ``num_tokens``) after each row's bonus token.
 
         Args:
             caches: per row, the drafter cache of positions 0 .. kv_len - 1.
@@ -372,19 +373,23 @@ class OrtDFlashDrafter(_Graph):
                 they are appended to the row's cache.
             query_scale: per row, False = beta 1 (frozen drafter) through the graph's ``query_scale_enabled``
                 input; None = on for every row.
+            num_tokens: draft tokens the caller will verify (1..B-1; None = all): the graph's LM head then scores
+                only block slots 1..num_tokens (``draft_slots``). The block itself is always drafted whole (its
+                slots attend to each other), so the logits of those slots do not depend on ``num_tokens``.
         Returns:
-            logits ``[batch, B - 1, vocab]`` f32 for block slots 1..B-1 (-inf outside the draft vocabulary when
-            the folder has one).
+            logits ``[batch, num_tokens or B - 1, vocab]`` f32 for block slots 1.. (-inf outside the draft
+            vocabulary when the folder has one).
         Raises:
             ValueError: a row asks for the scale off and the graph has no switch input.
         """
         flags = self._row_flags(query_scale, len(caches))
+        k = self.num_draft_tokens if num_tokens is None else max(1, min(int(num_tokens), self.num_draft_tokens))
         if not self.batched:
-            return np.concatenate([self._draft_rows([c], [b], [x], [f]) for c, b, x, f in
+            return np.concatenate([self._draft_rows([c], [b], [x], [f], k) for c, b, x, f in
                                    zip(caches, bonus_tokens, contexts, flags)])
-        return self._draft_rows(caches, bonus_tokens, contexts, flags)
+        return self._draft_rows(caches, bonus_tokens, contexts, flags, k)
 
-    def _draft_rows(self, caches, bonus_tokens, contexts, flags) -> np.ndarray:
+    def _draft_rows(self, caches, bonus_tokens, contexts, flags, k: int) -> np.ndarray:
         b, blk = len(caches), self.block_size
         ctx_lens = [x.shape[0] for x in contexts]
         c_max = max(ctx_lens)
@@ -403,6 +408,8 @@ class OrtDFlashDrafter(_Graph):
         feed = {"input_ids": ids, "target_hidden": hidden, "position_ids": pos}
         if self.batched:
             feed["attention_mask"] = mask
+        if self.slot_input:
+            feed["draft_slots"] = np.arange(1, k + 1, dtype=np.int64)
         if self.static:
             logits, *new_kv = self._run_drafter(feed, flags, past, None, l_max, ctx_lens)
             for r, (cache, n) in enumerate(zip(caches, ctx_lens)):
@@ -450,8 +457,9 @@ class OrtPardDrafter(_Graph):
         return committed + self.num_draft_tokens <= self.max_positions
 
     def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[np.ndarray],
-              query_scale: list[bool] | None = None) -> np.ndarray:
-        """Draft K tokens after each row's bonus token.
+              query_scale: list[bool] | None = None, num_tokens: int | None = None) -> np.ndarray:
+        """Draft K tokens after each row's bonus token (``num_tokens`` is accepted and ignored: K is static in a
+        PARD graph and all K come from one forward).
 
         Args:
             caches: per row, the drafter cache of committed positions 0 .. kv_len - 1.
@@ -530,8 +538,8 @@ class OrtEagle3Drafter(_Graph):
         return token[:, 0], hidden_out
 
     def draft(self, caches: list[KVCache], bonus_tokens: list[int], contexts: list[tuple[np.ndarray, np.ndarray]],
-              query_scale: list[bool] | None = None) -> np.ndarray:
-        """Draft K tokens after each row's bonus token by chain drafting.
+              query_scale: list[bool] | None = None, num_tokens: int | None = None) -> np.ndarray:
+        """Draft K tokens (or the first ``num_tokens``: the chain stops there) after each row's bonus token.
 
         Args:
             caches: per row, the drafter cache of positions 0 .. kv_len - 1.
@@ -545,7 +553,8 @@ class OrtEagle3Drafter(_Graph):
             ValueError: a row has no pending position, or asks for the scale off without a switch input.
         """
         flags = self._row_flags(query_scale, len(caches))
-        b, k = len(caches), self.num_draft_tokens
+        b = len(caches)
+        k = self.num_draft_tokens if num_tokens is None else max(1, min(int(num_tokens), self.num_draft_tokens))
         lens = [feats.shape[0] for feats, _ in contexts]
         if min(lens) < 1:
             raise ValueError("EAGLE-3 drafting needs at least one pending position per row (the bonus pair)")

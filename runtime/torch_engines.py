@@ -232,8 +232,8 @@ class TorchDFlashDrafter:
 
     @torch.no_grad()
     def draft(self, caches: list[TorchKVCache], bonus_tokens: list[int], contexts: list[np.ndarray],
-              query_scale: list[bool] | None = None) -> np.ndarray:
-        """Draft B-1 tokens after each row's bonus token.
+              query_scale: list[bool] | None = None, num_tokens: int | None = None) -> np.ndarray:
+        """Draft B-1 tokens after each row's bonus token (``num_tokens`` accepted; all B-1 slots are returned).
 
         Args:
             caches: per row, the drafter cache of positions 0 .. kv_len - 1.

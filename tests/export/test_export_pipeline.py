@@ -25,7 +25,8 @@ def test_manifest_records_profile_io_and_validation(tiny_engines):
     assert qs["source"].startswith("cli")
     assert qs["rewrite"]["DecomposedAttentionQueryScale"] == 2 and qs["rewrite"]["beta_subgraphs"] == 1
     assert m["drafter"]["block_size"] == 4 and m["drafter"]["mask_embedding"] is True
-    assert m["graphs"]["drafter"]["inputs"][-3:] == ["embed_weight", "lm_head_weight", "query_scale_enabled"]
+    assert m["graphs"]["drafter"]["inputs"][-4:] == ["embed_weight", "lm_head_weight", "draft_slots",
+                                                     "query_scale_enabled"]
     off = m["validation"]["drafter"]["switched_off"]  # switch 0: equals the frozen drafter at N = 4 ref
     assert off["beta"] == 1.0 and off["max_abs_diff_logits"] <= off["bound"]
     assert "attention_mask" in m["graphs"]["drafter"]["inputs"] and "attention_mask" in qs["num_keys"]
@@ -77,7 +78,8 @@ def test_graph_beta_intermediate(tiny_engines, tmp_path):
                 "query_scale_enabled": np.asarray(switch or [1.0] * b, np.float32),
                 "position_ids": np.tile(np.arange(l_max, l_max + ctx + blk, dtype=np.int64), (b, 1)),
                 "embed_weight": np.zeros((d["vocab_size"], 64), np.float32),
-                "lm_head_weight": np.zeros((d["vocab_size"], 64), np.float32)}
+                "lm_head_weight": np.zeros((d["vocab_size"], 64), np.float32),
+                "draft_slots": np.arange(1, blk, dtype=np.int64)}
         for i in range(d["num_hidden_layers"]):
             feed[f"past_key.{i}"] = feed[f"past_value.{i}"] = np.zeros((b, 2, l_max, 16), np.float32)
         return np.asarray(sess.run([beta_name], feed)[0]).reshape(b)

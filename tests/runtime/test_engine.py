@@ -35,7 +35,7 @@ class ReplayDrafter:
         for r, cache in enumerate(caches):
             done = cache.length - self.prompt_len + 1  # tokens emitted so far: the cache covers all but the bonus
             want = (self.ref[done: done + k] + [0] * k)[:k]
-            if self.wrong_at is not None:
+            if self.wrong_at is not None and self.wrong_at < k:  # the last rounds may verify fewer slots
                 want[self.wrong_at] = (want[self.wrong_at] + 1) % logits.shape[2]
             logits[r] = 0.0
             logits[r, np.arange(k), want] = 1.0
