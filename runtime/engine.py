@@ -51,6 +51,7 @@ class GenerationResult:
     stats: SpecStats
     text: str | None = None  # decoded output (special tokens skipped, cut before a stop string); None without tokenizer
     logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..n-1 (SamplingParams.prompt_logprobs)
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,6 +71,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     token_logprobs: list[TokenLogprob] | None = None  # aligned with ``out`` when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..n-1, when the request asked
     adaptive: AdaptiveDraftTokens | None = None  # per-request draft length (runtime/draft_length.py)
     prefill_group: str | None = None  # requests of one group with the same prompt share one prefill (n > 1)
     prefill_out: tuple | None = None  # (last logits, features) of this step's prefill, for the group's others
@@ -86,7 +88,8 @@ class Sequence:
     def result(self) -> GenerationResult:
         text = self.stopper.text(self.out) if self.stopper.tokenizer is not None else None
         lps = None if self.token_logprobs is None else list(self.token_logprobs)
-        return GenerationResult(list(self.out), self.finish_reason or "", self.stats, text, lps)
+        plps = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        return GenerationResult(list(self.out), self.finish_reason or "", self.stats, text, lps, plps)
 
 
 class SpecEngine:
@@ -242,6 +245,8 @@ class SpecEngine:
         seq.prefill_group = prefill_group
         if params.logprobs is not None:
             seq.token_logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = []
         if self.adaptive_draft_tokens and k > 0:
             seq.adaptive = AdaptiveDraftTokens(k)
         self.sequences[request_id] = seq
@@ -288,11 +293,15 @@ class SpecEngine:
     def _prefill(self, seq: Sequence, keep: bool = False) -> list[int]:
         t0 = time.perf_counter()
         n = len(seq.prompt_ids)
+        collect = None if seq.prompt_logprobs is None else self._prompt_logprobs(seq)
         if hasattr(self.target, "prefill"):  # chunked (bounded memory), last position's logits only
-            last, feats = self.target.prefill(seq.target_cache, seq.prompt_ids)
+            kw = {} if collect is None else {"on_logits": collect}
+            last, feats = self.target.prefill(seq.target_cache, seq.prompt_ids, **kw)
         else:
             logits, feats = self.target.forward([seq.target_cache], [seq.prompt_ids])
             last, feats = logits[0, n - 1], feats[0]
+            if collect is not None:
+                collect(0, logits[0, :n])
         if keep:  # the other requests of its prefill group copy this step's result
             seq.prefill_out = (last, feats)
         return self._first_token(seq, last, feats, t0)
@@ -303,7 +312,23 @@ class SpecEngine:
         t0 = time.perf_counter()
         seq.target_cache = leader.target_cache.fork()
         last, feats = leader.prefill_out
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = list(leader.prompt_logprobs or [])
         return self._first_token(seq, last, feats, t0)
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence):
+        """A prefill callback appending, for each chunk's logits ``[m, vocab]`` from prompt position ``start``, the
+        logprob of the prompt token each row predicts (rows past the prompt's end are ignored)."""
+        params = dataclasses.replace(seq.params, logprobs=seq.params.prompt_logprobs)
+        prompt = seq.prompt_ids
+
+        def collect(start: int, rows: np.ndarray) -> None:
+            for j in range(rows.shape[0]):
+                if start + j + 1 < len(prompt):
+                    seq.prompt_logprobs.append(token_logprob(rows[j], prompt[start + j + 1], params))
+
+        return collect
 
     def _first_token(self, seq: Sequence, last: np.ndarray, feats: np.ndarray, t0: float) -> list[int]:
         n = len(seq.prompt_ids)

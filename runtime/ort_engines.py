@@ -153,7 +153,8 @@ class OrtTarget(_Graph):
                                  dtype=self.kv_dtype if self.shared_kv else np.float32)
         return super().new_cache()
 
-    def prefill(self, cache: KVCache | StaticKVCache, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def prefill(self, cache: KVCache | StaticKVCache, tokens: list[int], on_logits=None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """Run a prompt through the target in chunks of ``prefill_chunk`` tokens (``$SHARPDRAFT_PREFILL_CHUNK``).
 
         Chunking bounds the attention scores (``[1, heads, chunk, length]``) and the logits kept (only the last
@@ -162,6 +163,8 @@ class OrtTarget(_Graph):
         Args:
             cache: the sequence's (empty or partial) target cache; the prompt's K/V are appended.
             tokens: the prompt ids (>= 1).
+            on_logits: optional ``callback(start, logits)`` with each chunk's logits ``[chunk_len, vocab]`` f32
+                (row j predicts prompt token start + j + 1): prompt logprobs without keeping ``[n, vocab]``.
         Returns:
             logits of the last position ``[vocab]`` f32 and taps ``[len(tokens), F]`` f32.
         Raises:
@@ -177,6 +180,8 @@ class OrtTarget(_Graph):
             chunk = tokens[i: i + step]
             logits, t = self.forward([cache], [chunk])
             taps.append(t[0, : len(chunk)])
+            if on_logits is not None:
+                on_logits(i, logits[0, : len(chunk)])
         return logits[0, len(chunk) - 1], np.concatenate(taps)
 
     def forward(self, caches: list[KVCache], tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -47,6 +47,7 @@ class CommonRequest(BaseModel):
 
 
 class CompletionRequest(CommonRequest):
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo + logprobs), as lm-eval does
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = Field(False, strict=True)
     best_of: int | None = None
@@ -121,16 +122,36 @@ class CompletionShape:
     def __init__(self, model: str, tokenizer=None):
         self.model, self.tokenizer = model, tokenizer
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs, offset: int = 0) -> dict:
-        return {"index": index, "text": text, "logprobs": self.logprobs(logprobs, offset),
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs, offset: int = 0,
+               prompt: tuple[list[int], list] | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs(logprobs, offset, prompt),
                 "finish_reason": finish_reason}
 
-    def logprobs(self, lps, offset: int = 0) -> dict | None:
+    def logprobs(self, lps, offset: int = 0, prompt: tuple[list[int], list] | None = None) -> dict | None:
         """``lps``: list of :class:`runtime.sampling.TokenLogprob` (None: not requested). ``offset``: characters
-        of text before the first token (the echoed prompt, earlier chunks)."""
+        of text before the first token (the echoed prompt, earlier chunks). ``prompt``: (prompt ids, their
+        TokenLogprobs for tokens 1..n-1) to list first, as ``echo`` with ``logprobs`` does; the first prompt
+        token has no logprob (``None``), as in OpenAI's and vLLM's answers."""
         if lps is None:
             return None
-        tokens, offsets, top = [], [], []
+        tokens, offsets, top, values = [], [], [], []
+        if prompt is not None:
+            ids, plps = prompt
+            offset = 0
+            for i, tid in enumerate(ids):
+                t = _token_text(self.tokenizer, tid)
+                tokens.append(t)
+                offsets.append(offset)
+                offset += len(t)
+                if i == 0:
+                    values.append(None)
+                    top.append(None)
+                else:
+                    lp = plps[i - 1]
+                    values.append(lp.logprob)
+                    alts = {_token_text(self.tokenizer, j): v for j, v in lp.top}
+                    alts.setdefault(t, lp.logprob)
+                    top.append(alts)
         for lp in lps:
             t = _token_text(self.tokenizer, lp.token_id)
             tokens.append(t)
@@ -139,8 +160,8 @@ class CompletionShape:
             alts = {_token_text(self.tokenizer, i): v for i, v in lp.top}
             alts.setdefault(t, lp.logprob)
             top.append(alts)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
-                "text_offset": offsets}
+            values.append(lp.logprob)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
 
     def body(self, rid: str, created: int, choices: list[dict], use: dict, extra: dict | None) -> dict:
         out = {"id": rid, "object": "text_completion", "created": created, "model": self.model,
@@ -172,7 +193,7 @@ class ChatShape(CompletionShape):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def choice(self, index, text, finish_reason, logprobs, offset=0):
+    def choice(self, index, text, finish_reason, logprobs, offset=0, prompt=None):
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 

@@ -73,6 +73,8 @@ class SamplingParams:
         logprobs: None = no log-probabilities; n in 0..``MAX_LOGPROBS`` = each generated token's log-probability
             under the target's processed distribution (:func:`processed_logprobs`) and the n most likely
             alternatives (OpenAI ``logprobs`` / ``top_logprobs``).
+        prompt_logprobs: as ``logprobs``, for the prompt's tokens 1..n-1 (vLLM's name; OpenAI completions'
+            ``echo`` with ``logprobs``): how likely the target finds each prompt token after the ones before it.
     Raises:
         ValueError: any field out of range, with what to send instead.
     """
@@ -89,6 +91,7 @@ class SamplingParams:
     num_draft_tokens: int | None = None
     query_scale: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -115,9 +118,10 @@ class SamplingParams:
         k = self.num_draft_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             bad(f"num_draft_tokens must be an integer >= 0 or None, got {k!r}")
-        n = self.logprobs
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
-            bad(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (alternatives per token) or None, got {n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                bad(f"{name} must be an integer in 0..{MAX_LOGPROBS} (alternatives per token) or None, got {n!r}")
 
     @property
     def greedy(self) -> bool:

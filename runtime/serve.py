@@ -16,9 +16,10 @@ decoding for this request), ``query_scale`` (false: this request drafts with bet
 A/B comparisons in one server), ``num_draft_tokens`` and ``spec_stats`` (true: the response carries a
 ``sharpdraft`` block with the request's speculative statistics: rounds, accepted and drafted tokens per position,
 MAL, timings). Logprobs are the target's processed distribution at each emitted position (runtime/sampling.py
-``processed_logprobs``), the same with speculation on or off. Fields the server cannot honour (non-zero penalties,
-logit_bias, best_of != n, echo with logprobs) are refused with 400 and say so; unknown fields are ignored like
-OpenAI does.
+``processed_logprobs``), the same with speculation on or off; completions with ``echo`` and ``logprobs`` also
+score the prompt's tokens (``max_tokens: 0`` scores without generating, as lm-eval asks). Fields the server cannot
+honour (non-zero penalties, logit_bias, best_of != n, streamed prompt logprobs) are refused with 400 and say so;
+unknown fields are ignored like OpenAI does.
 """
 from __future__ import annotations
 
@@ -113,13 +114,23 @@ class OpenAIServing:
             raise HTTPException(400, f"best_of ({best_of}) must equal n ({req.n}): this server returns every sample "
                                      "it draws; send n alone")
         logprobs = self._logprobs(req, chat)
+        echo = bool(getattr(req, "echo", False))
+        if max_tokens == 0 and not (echo and logprobs is not None and not req.stream):
+            raise HTTPException(400, "max_tokens 0 scores the prompt without generating: send it with echo: true, "
+                                     "logprobs: <int> and no stream (lm-eval's loglikelihood request); else "
+                                     "max_tokens >= 1")
+        if echo and logprobs is not None and req.stream:
+            raise HTTPException(400, "echo with logprobs (prompt logprobs) is answered non-streamed; send stream: false")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if max_tokens == 0:
+            max_tokens = 1  # the prefill scores the prompt; the one generated token is dropped from the answer
         try:
             return SamplingParams(max_new_tokens=max_tokens or self.default_max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                                   speculative=req.speculative, num_draft_tokens=req.num_draft_tokens,
-                                  query_scale=req.query_scale, logprobs=logprobs)
+                                  query_scale=req.query_scale, logprobs=logprobs,
+                                  prompt_logprobs=logprobs if echo else None)
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
 
@@ -146,9 +157,6 @@ class OpenAIServing:
         if isinstance(req.logprobs, bool) or not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise HTTPException(400, f"completions logprobs is an integer in 0..{MAX_LOGPROBS} (alternatives per "
                                      f"token), got {req.logprobs!r}")
-        if getattr(req, "echo", False):
-            raise HTTPException(400, "echo with logprobs (prompt logprobs) is not supported by this server: it "
-                                     "returns logprobs of generated tokens only; send echo or logprobs, not both")
         return req.logprobs
 
     @staticmethod
@@ -226,7 +234,11 @@ class OpenAIServing:
             for stream, result in zip(streams, results):
                 self.metrics.request_finished(shape.endpoint, stream, result, len(ids))
             results = [r for r in results for _ in range(copies)]
-            choices = [shape.choice(i, prefix + (r.text or ""), r.finish_reason, r.logprobs, len(prefix))
+            if getattr(req, "max_tokens", None) == 0:  # scoring only: drop the token the prefill sampled
+                results = [dataclasses.replace(r, token_ids=[], text="", finish_reason="length",
+                                               logprobs=None if r.logprobs is None else []) for r in results]
+            choices = [shape.choice(i, prefix + (r.text or ""), r.finish_reason, r.logprobs, len(prefix),
+                                    None if r.prompt_logprobs is None else (ids, r.prompt_logprobs))
                        for i, r in enumerate(results)]
             extra = None
             if req.spec_stats:

@@ -105,3 +105,15 @@ def test_logprobs_follow_the_emitted_tokens_and_are_trimmed_at_a_stop():
     assert [lp.token_id for lp in stopped.logprobs] == stopped.token_ids
     assert all(lp.top == () for lp in stopped.logprobs)
     assert not np.allclose([lp.logprob for lp in spec.logprobs], 0.0)
+
+
+def test_prompt_logprobs_score_each_prompt_token_after_the_ones_before():
+    target = ScriptedTarget(chain_table(16, {}))
+    eng = _engine(target, oracle(target, 3))
+    prompt = [1, 5, 9, 2, 7]
+    params = SamplingParams(max_new_tokens=3, prompt_logprobs=1)
+    out = eng.generate(prompt, params=params)
+    assert [lp.token_id for lp in out.prompt_logprobs] == prompt[1:] and out.logprobs is None
+    for prev, lp in zip(prompt, out.prompt_logprobs):
+        assert lp.logprob == pytest.approx(float(processed_logprobs(target.table[prev], params)[lp.token_id]))
+        assert len(lp.top) == 1

@@ -123,3 +123,25 @@ def test_vllm_named_metrics_match_the_requests(tiny_engines):
     assert total("vllm:request_success", finished_reason="length") + total("vllm:request_success",
                                                                            finished_reason="stop") == 3
     assert total("vllm:generation_tokens") > 0
+
+
+def test_echo_logprobs_score_the_prompt_as_generation_scored_it(server):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0): the prompt's token logprobs equal the
+    logprobs those tokens had when the server generated them (greedy), within 1e-4."""
+    _, client = server
+    gen = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
+    text = gen.choices[0].text
+    scored = client.completions.create(model="tiny", prompt=PROMPT + text, max_tokens=0, temperature=0, logprobs=1,
+                                       echo=True)
+    c = scored.choices[0]
+    assert c.text == PROMPT + text and scored.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    n = len(gen.choices[0].logprobs.token_logprobs)
+    if "".join(lp.tokens[-n:]) == text:  # the joined text re-tokenised the same way (the usual case)
+        np.testing.assert_allclose(lp.token_logprobs[-n:], gen.choices[0].logprobs.token_logprobs, atol=1e-4)
+    both = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0, echo=True)
+    b = both.choices[0].logprobs
+    assert len(b.tokens) == both.usage.prompt_tokens + both.usage.completion_tokens
+    assert b.token_logprobs[0] is None and both.choices[0].text.startswith(PROMPT)
