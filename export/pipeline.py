@@ -225,7 +225,7 @@ def run_export(cfg: ExportConfig) -> dict:
         drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
         switch = "query_scale_enabled" if profile.enabled else None
         counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,
-                              row_switch_input=switch, **fam.rewrite_num_keys)
+                              row_switch_input=switch, **fam.rewrite_options(drafter))
         if profile.enabled:  # the rewrite added a per-row on/off input (per-request A/B of the query scale)
             drafter_io["inputs"] = [*drafter_io["inputs"], "query_scale_enabled"]
         log.info("query-scale rewrite: %s", counts)
@@ -248,7 +248,8 @@ def run_export(cfg: ExportConfig) -> dict:
         entry["verify_draft_tokens"] = int(verify or k)
         if draft_ids is not None:
             entry["draft_vocab"] = {"file": f"drafter/{DRAFT_VOCAB_FILE}", "size": int(draft_ids.size)}
-        manifest = _manifest(cfg, entry, target, tok, profile, profile_source, counts, shared, validation, graphs)
+        manifest = _manifest(cfg, entry, target, tok, profile, profile_source, counts, shared, validation, graphs,
+                             fam.num_keys_text(drafter))
         try:  # the writer meets the schema the runtime reads (runtime/manifest.py)
             manifest = Manifest.from_dict(manifest).to_dict()
         except ValueError as e:
@@ -279,6 +280,9 @@ def _load_pair(fam: DrafterFamily, ckpt: Path, target_source: str | None):
 
 def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> int | None:
     """Refusals that need the loaded pair but no graph (seconds). Returns the verify default (None: all k)."""
+    if cfg.fused_attention and not cfg.spec.fused_attention_ok(drafter):
+        raise ExportError("--fused-attention: this drafter has sliding-window layers, which the fused op (causal "
+                          "windows only) cannot run; export without --fused-attention")
     if cfg.target_precision != "fp32":
         from export.genai_target import GenaiBuildError, builder_taps
 
@@ -445,7 +449,8 @@ def _replace_dir(new: Path, out: Path) -> dict:
     return {"replaced": True, "exchange": exchanged, "extra_files": extra, "kept_at": str(kept) if kept else None}
 
 
-def _manifest(cfg, drafter_entry, target, tok, profile, profile_source, counts, shared, validation, graphs) -> dict:
+def _manifest(cfg, drafter_entry, target, tok, profile, profile_source, counts, shared, validation, graphs,
+              num_keys: str) -> dict:
     t = target.config
     gen_eos = getattr(target.generation_config, "eos_token_id", None)
     eos_ids = sorted(i for i in {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
@@ -456,7 +461,7 @@ def _manifest(cfg, drafter_entry, target, tok, profile, profile_source, counts, 
         "torch": torch.__version__,
         "drafter": drafter_entry,
         "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts,
-                        "num_keys": cfg.spec.num_keys_note},
+                        "num_keys": num_keys},
         "target": {"source": str(cfg.target or "smollm2-135m-instruct"), "architecture": t.architectures[0],
                    "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,
                    "num_key_value_heads": t.num_key_value_heads,

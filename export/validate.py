@@ -212,7 +212,11 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         b = beta_torch(n_keys, profile)
         pkv = [(past[2 * i], past[2 * i + 1]) for i in range(cfg.num_hidden_layers)]
         emb = drafter.embed_block(ids, embed)
-        h, new_kv = drafter(emb, th, pos, pkv, query_scale=b, new_kv_only=True)
+        if any(w is not None for w in cfg.windows):  # beta per layer and row, from each layer's own mask
+            h, new_kv = drafter(emb, th, pos, pkv, profile=profile, new_kv_only=True,
+                                key_mask=torch.ones(1, n_keys, dtype=torch.long))
+        else:
+            h, new_kv = drafter(emb, th, pos, pkv, query_scale=b, new_kv_only=True)
         frozen_h, _ = drafter(emb, th, pos, pkv, query_scale=None)
         ref = (h[:, 1:] @ lm_head.T).numpy()
         ref_frozen = (frozen_h[:, 1:] @ lm_head.T).numpy()

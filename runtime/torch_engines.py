@@ -25,7 +25,7 @@ import torch
 
 from plugins.rule import Family, QueryScaleProfile
 from runtime.kv_cache import KVCache, pad_caches, unpad_present
-from runtime.modes import DrafterContext, Verification
+from runtime.modes import AttentionImpl, DrafterContext, Verification
 from runtime.ragged import dflash_block, rows_after_past
 
 
@@ -180,7 +180,10 @@ class TorchDFlashDrafter:
         cfg = model.config
         self.device = torch_device(device)
         self.model = model.to(device=self.device, dtype=torch.float32).eval()
-        self.model.attention_impl = attention_impl
+        # sliding-window layers run on the eager attention (the fused op's window is causal); beta per layer and
+        # row comes from each layer's own mask either way
+        windowed = any(w is not None for w in model.config.windows)
+        self.model.attention_impl = AttentionImpl.EAGER if windowed else attention_impl
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
             if w.dim() != 2 or w.shape[1] != cfg.hidden_size:
                 raise ValueError(f"{name} {tuple(w.shape)} must be [vocab, {cfg.hidden_size}]")
@@ -217,7 +220,7 @@ class TorchDFlashDrafter:
         """
         from runtime.models.dflash import load_dflash
 
-        model = load_dflash(checkpoint, attention_impl=attention_impl)
+        model = load_dflash(checkpoint, attention_impl=AttentionImpl.EAGER)  # __init__ sets the implementation
         if list(model.config.target_layer_ids) != target.tap_ids:
             raise ValueError(f"drafter taps {model.config.target_layer_ids} != the target backend's {target.tap_ids}")
         return cls(model, target.embed_weight.detach(), target.lm_head_weight.detach(), profile, device,
@@ -270,7 +273,8 @@ class TorchDFlashDrafter:
         ids, hidden, pos, mask = ids.to(dev), hidden.to(dev), pos.to(dev), mask.to(dev)
         past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
         emb = self.model.embed_block(ids, self.embed_weight)
-        if self.model.attention_impl == "fused":
+        windowed = any(w is not None for w in self.model.config.windows)
+        if self.model.attention_impl == AttentionImpl.FUSED or windowed:  # beta from each layer's own mask
             rows_on = torch.tensor(flags, dtype=torch.bool, device=dev)
             h, new_kv = self.model(emb, hidden, pos, past_kv, key_mask=mask, profile=self.profile, rows_on=rows_on)
         else:

@@ -54,8 +54,9 @@ def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 def write_tiny_dflash(path: Path, *, mask_embedding: bool = True, block_size: int = 4, seed: int = 1,
-                      query_scale: dict | None = None) -> Path:
-    """Write a tiny DFlash checkpoint in exactly the public layout (config.json + model.safetensors)."""
+                      query_scale: dict | None = None, sliding_window: int | None = None) -> Path:
+    """Write a tiny DFlash checkpoint in exactly the public layout (config.json + model.safetensors);
+    ``sliding_window``: layer 0 becomes a ``sliding_attention`` layer with that window (Qwen3.6 DFlash style)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -70,6 +71,9 @@ def write_tiny_dflash(path: Path, *, mask_embedding: bool = True, block_size: in
            "dflash_config": {"mask_token_id": TINY_VOCAB if mask_embedding else 7, "target_layer_ids": [0, 2]}}
     if query_scale is not None:
         cfg["sharpdraft_query_scale"] = query_scale
+    if sliding_window is not None:
+        cfg["layer_types"][0] = "sliding_attention"
+        cfg.update(sliding_window=sliding_window, use_sliding_window=True)
 
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.2

@@ -78,6 +78,18 @@ class DrafterFamily(abc.ABC):
         return None
 
     # ---------------------------------------------------------------- graphs
+    def rewrite_options(self, drafter) -> dict[str, Any]:
+        """``rewrite_file`` keyword arguments for this drafter (where beta reads N)."""
+        return dict(self.rewrite_num_keys)
+
+    def num_keys_text(self, drafter) -> str:
+        """The manifest's ``query_scale.num_keys`` for this drafter."""
+        return self.num_keys_note
+
+    def fused_attention_ok(self, drafter) -> bool:
+        """Whether ``--fused-attention`` can fuse this drafter's attentions."""
+        return self.fused_attention
+
     @abc.abstractmethod
     def export_graphs(self, drafter, k: int, frozen: Path, out_root: Path, drafter_kv_io: str) -> tuple[dict, dict]:
         """Export the drafter graph (before the query-scale rewrite) to ``frozen``.

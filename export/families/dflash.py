@@ -55,6 +55,22 @@ class DFlashFamily(DrafterFamily):
         except DraftVocabError as e:
             raise ExportError(f"{e} (or export with --full-vocab)") from e
 
+    def rewrite_options(self, drafter) -> dict:
+        """Full layers: N per batch row from the key mask. With sliding-window layers N differs per layer and per
+        query row (a row sees the keys within its window), so every attention's N is counted from its own mask
+        (score_mask mode: full layers still get s + B, windowed ones min(s + B, their window's keys))."""
+        if any(w is not None for w in drafter.config.windows):
+            return {"num_keys_from": NumKeysFrom.SCORE_MASK}
+        return dict(self.rewrite_num_keys)
+
+    def num_keys_text(self, drafter) -> str:
+        if any(w is not None for w in drafter.config.windows):
+            return "per query row and layer: visible keys of that attention's mask (sliding layers: their window)"
+        return self.num_keys_note
+
+    def fused_attention_ok(self, drafter) -> bool:
+        return all(w is None for w in drafter.config.windows)  # the fused op's window is causal
+
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
         from export.graphs import export_drafter
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models import attention_probe
+from plugins.rule import beta_torch, count_visible, switch_rows
 from runtime.modes import AttentionImpl
 
 
@@ -47,6 +48,36 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     start, end = 1, num_target_layers - 3
     span = end - start
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _layer_windows(d: dict[str, Any], dcfg: dict[str, Any], n_layers: int) -> list[int | None]:
+    """Per-layer sliding windows from ``layer_types`` + ``sliding_window`` (z-lab, Qwen3.5 / 3.6 DFlash), or from
+    ``dflash_config.use_swa`` + ``swa_window_size`` (every layer). [] when every layer is full.
+
+    Raises:
+        CheckpointError: unknown layer types, a count that is not the layer count, sliding layers without a window,
+            or ``dflash_config.causal: true`` (DFlash layers here are non-causal, as z-lab's reference).
+    """
+    types = d.get("layer_types") or []
+    window = dcfg.get("swa_window_size") or d.get("sliding_window")
+    if dcfg.get("causal") or dcfg.get("is_causal") or d.get("is_causal"):
+        raise CheckpointError("causal DFlash layers (dflash_config.causal / is_causal: true) are not supported: "
+                              "sharpdraft runs DFlash blocks non-causally, as z-lab's reference does")
+    if types:
+        if len(types) != n_layers:
+            raise CheckpointError(f"layer_types has {len(types)} entries for {n_layers} layers")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise CheckpointError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        sliding = [bool(dcfg.get("use_swa"))] * n_layers
+    if not any(sliding):
+        return []
+    if not window or int(window) < 1:
+        raise CheckpointError("sliding_attention layers need a window: set sliding_window (or "
+                              "dflash_config.swa_window_size)")
+    return [int(window) if s else None for s in sliding]
 
 
 def refuse_lookalikes(d: dict[str, Any]) -> None:
@@ -90,6 +121,14 @@ class DFlashConfig:
     attention_bias: bool = False
     query_scale: dict | None = None  # sharpdraft extension: a QueryScaleProfile dict suited to this drafter
     extra: dict = dataclasses.field(default_factory=dict)
+    # per layer: the sliding window W of a "sliding_attention" layer, None for a full one ([] = all full). A block
+    # query at position p sees the keys at positions > p - W (and, non-causal as every DFlash layer, the whole block)
+    layer_windows: list = dataclasses.field(default_factory=list)
+
+    @property
+    def windows(self) -> list[int | None]:
+        """The window of every layer (None: full attention)."""
+        return self.layer_windows or [None] * self.num_hidden_layers
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -136,10 +175,9 @@ class DFlashConfig:
         except KeyError as e:
             raise CheckpointError(f"DFlash config is missing field {e.args[0]!r} (dflash_config.mask_token_id and "
                                   "block_size are required)") from e
-        layer_types = d.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise CheckpointError(f"layer_types {layer_types}: sliding-window DFlash layers are not supported yet")
-        keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale", "target_layer_ids"}
+        known["layer_windows"] = _layer_windows(d, dcfg, n_layers)
+        keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale", "target_layer_ids",
+                             "layer_types", "sliding_window", "use_sliding_window"}
         return cls(**known, extra={k: v for k, v in d.items() if k not in keys})
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,8 +190,11 @@ class DFlashConfig:
                    num_target_layers=self.num_target_layers, rms_norm_eps=self.rms_norm_eps,
                    rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
                    attention_bias=self.attention_bias, hidden_act="silu",
-                   layer_types=["full_attention"] * self.num_hidden_layers,
+                   layer_types=["full_attention" if w is None else "sliding_attention" for w in self.windows],
                    dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids})
+        if any(w is not None for w in self.windows):
+            out["sliding_window"] = next(w for w in self.windows if w is not None)
+            out["use_sliding_window"] = True
         if self.query_scale is not None:
             out["sharpdraft_query_scale"] = self.query_scale
         return out
@@ -297,9 +338,14 @@ class DFlashAttention(nn.Module):
         if self.attention_impl == AttentionImpl.FUSED:
             out = self._fused(q, k, v, attn_mask, profile, rows_on)
             return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
-        if profile is not None or rows_on is not None:
-            raise ValueError("profile / rows_on need attention_impl='fused'; the eager path takes a beta "
-                             "(query_scale)")
+        if profile is not None or rows_on is not None:  # beta per query row from this layer's own mask
+            if attn_mask is None or attn_mask.dtype != torch.bool:
+                raise ValueError("the eager path computes beta from a bool attn_mask (True = visible); pass one, or "
+                                 "a precomputed query_scale")
+            beta = switch_rows(beta_torch(count_visible(attn_mask.expand(b, 1, -1, -1)), profile)
+                               if profile is not None else torch.ones(b, 1, 1, 1),
+                               None if rows_on is None else rows_on.float())
+            q = q * beta.to(q.dtype)
         rep = self.nh // self.nkv
         if attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[2] == 1):
             return self.o_proj(self._grouped(q, k, v, attn_mask))
@@ -454,6 +500,14 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
         ctx = self.project_context(target_hidden)
         attn_mask = None if key_mask is None else key_mask.to(torch.bool)[:, None, None, :]  # [batch, 1, 1, keys]
+        windows = self.config.windows
+        if any(w is not None for w in windows) and self.attention_impl == AttentionImpl.FUSED:
+            raise ValueError("sliding-window DFlash layers run on the eager attention (the fused op's window is "
+                             "causal); set attention_impl='eager'")
+        c_past = 0 if past_kv is None else past_kv[0][0].shape[2]
+        # key positions: the cache holds positions 0..c_past-1 in order, then the new context rows and the block
+        key_pos = torch.cat([torch.arange(c_past, device=position_ids.device)[None].expand(position_ids.shape[0], -1),
+                             position_ids], dim=1) if any(w is not None for w in windows) else None
         h, new_kv = block_embeds, []
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.self_attn.context_kv(ctx, cos[:, :, :c_new], sin[:, :, :c_new])
@@ -466,9 +520,20 @@ class DFlashDrafter(nn.Module):
                     k_new = torch.cat([past_kv[i][0], k_new], dim=2)
                     v_new = torch.cat([past_kv[i][1], v_new], dim=2)
                 new_kv.append((k_new, v_new))
-            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale, profile,
-                      rows_on)
+            mask = attn_mask if windows[i] is None else \
+                self.window_mask(key_pos, position_ids[:, c_new:], windows[i], attn_mask)
+            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], mask, query_scale, profile, rows_on)
         return self.norm(h), new_kv
+
+    @staticmethod
+    def window_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int,
+                    key_mask: torch.Tensor | None) -> torch.Tensor:
+        """A sliding layer's mask ``[batch, 1, B, keys]`` bool: query at position p sees key j iff ``pos(j) > p -
+        window`` (and ``key_mask`` shows it); ``key_pos`` ``[batch, keys]``, ``query_pos`` ``[batch, B]``."""
+        ok = key_pos[:, None, :] > (query_pos[:, :, None] - window)
+        if key_mask is not None:
+            ok = ok & key_mask[:, :, 0]  # [batch, 1, keys] over the query axis
+        return ok[:, None]
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -29,12 +29,24 @@ def test_dflash_configs_load_at_their_true_shapes():
                                           "attention_conv / mlp_conv kernels and the candidate_selector"),
     ("deepseek-ai-dspark_qwen3_4b_block7.TRIMMED.json", "DSpark drafter: not supported (missing: its Markov head"),
     ("speculators-dflash-example.config.json", "speculators-format dflash drafter"),
-    ("specforge-qwen3.6-27b-dflash.json", "sliding-window DFlash layers are not supported yet"),
 ])
 def test_lookalikes_are_refused_with_one_clear_message(name, needle):
     with pytest.raises(CheckpointError) as e:
         DFlashConfig.from_dict(_cfg(name))
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sliding_window_dflash_config_loads_its_windows():
+    c = DFlashConfig.from_dict(_cfg("specforge-qwen3.6-27b-dflash.json"))
+    assert c.windows == [2048, 2048, 2048, 2048, None]  # 4 sliding + 1 full, window 2048
+    assert DFlashConfig.from_dict(c.to_dict()).windows == c.windows  # written back in the public layout
+    d = _cfg("specforge-qwen3.6-27b-dflash.json")
+    with pytest.raises(CheckpointError, match="sliding_attention layers need a window"):
+        DFlashConfig.from_dict({**d, "sliding_window": None})
+    with pytest.raises(CheckpointError, match="causal DFlash layers"):
+        DFlashConfig.from_dict({**d, "dflash_config": {**d["dflash_config"], "causal": True}})
+    with pytest.raises(CheckpointError, match="layer_types has 2 entries for 5 layers"):
+        DFlashConfig.from_dict({**d, "layer_types": ["full_attention"] * 2})
 
 
 def test_flat_dflash_variant_reads_top_level_fields():
