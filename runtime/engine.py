@@ -130,6 +130,8 @@ class SpecEngine:
         self.default_draft_tokens = min(default_draft_tokens or k_max, k_max)
         self.draft_tokens_by_batch = draft_tokens_by_batch
         self.adaptive_draft_tokens = adaptive_draft_tokens
+        self.adapter = None  # online draft adaptation (runtime/online_adapt.py attach); torch backend only
+        self._rounds = 0
         self.manifest = manifest
         self.engine_dir = engine_dir
         self.sequences: dict[str, Sequence] = {}
@@ -384,12 +386,14 @@ class SpecEngine:
                                             [[s.out[-1], *d] for s, d in zip(seqs, drafts)])
         t2 = time.perf_counter()
         emitted = []
+        learned = {}
         for r, (s, k) in enumerate(zip(seqs, ks)):
             base = s.committed  # before this round: the target cache held `base` tokens, then 1 + k were appended
             accepted, new = s.sampler.verify(drafts[r], qs[r], logits[r, : k + 1], self.verification)
             before = len(s.out)
             s.finish_reason = s.stopper.extend(s.out, new)
             n_new = len(s.out) - before
+            learned[r] = s.out[before:]
             if s.token_logprobs is not None:  # emitted token j was drawn from verify row j (trimmed like the ids)
                 s.token_logprobs.extend(token_logprob(logits[r, j], s.out[before + j], s.params)
                                         for j in range(n_new))
@@ -409,6 +413,13 @@ class SpecEngine:
                 if self.check_invariants:
                     self._check_round(s, drafts[r])
             emitted.append((s, s.out[before:]))
+        if self.adapter is not None and drafting:  # the drafter learns the target's tokens after each bonus
+            for idx, i in enumerate(drafting):
+                ex = self.drafter.examples[idx]
+                ex.labels = list(learned[i][: self.drafter.num_draft_tokens])
+                self.adapter.record(ex)
+            self._rounds += 1
+            self.adapter.maybe_step(self._rounds)
         dt = time.perf_counter() - t0
         for s in seqs:
             s.stats.decode_s += dt

@@ -31,13 +31,25 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=-1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="also write the figures as JSON")
-def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, json_out):
+@click.option("--online-adapt", type=click.Choice(["lora", "full"]), default=None,
+              help="torch backend: adapt the drafter online to the target's verified tokens (runtime/online_adapt.py)")
+@click.option("--adapt-rank", default=8, show_default=True, type=click.IntRange(min=1), help="LoRA rank")
+@click.option("--adapt-lr", default=1e-4, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--adapt-interval", default=1, show_default=True, type=click.IntRange(min=1),
+              help="verify rounds per gradient step")
+def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, json_out,
+         online_adapt, adapt_rank, adapt_lr, adapt_interval):
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
     from runtime.sampling import SamplingParams
 
     try:
         engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
+        adapter = None
+        if online_adapt is not None:
+            from runtime.online_adapt import AdaptConfig, attach
+
+            adapter = attach(engine, AdaptConfig(online_adapt, adapt_rank, adapt_lr, adapt_interval))
         tok = engine.tokenizer
         ids = tok.encode(prompt) if raw else tok.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -76,6 +88,8 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
         click.echo(f"target-only with 1-token steps (as ONNX Runtime GenAI decodes; rounds differently, "
                    f"docs/quantized-target.md): {plain.stats.tokens_per_s:.1f} tokens/s")
     click.echo(f"speedup over target-only: {speedup:.2f}x")
+    if adapter is not None:
+        click.echo(f"online adaptation: {json.dumps(adapter.stats())}")
     if s.rounds >= 4 and s.mean_accepted_length < 1.05:
         click.echo("note: the target accepted (almost) no draft token, so speculation only costs time here. The "
                    "drafter does not predict this target: check it was trained for this target and tokenizer "

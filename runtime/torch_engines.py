@@ -202,6 +202,7 @@ class TorchDFlashDrafter:
         self.vocab_size = int(self.lm_head_weight.shape[0])
         self.num_layers, self.kv_heads, self.head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.draft_ids: torch.Tensor | None = None
+        self.examples: list | None = None  # online adaptation (runtime/online_adapt.py): each row's block inputs
 
     def set_draft_ids(self, draft_ids) -> None:
         """Score only these target ids (int ``[V]``, runtime/draft_vocab.py); None = the whole vocabulary."""
@@ -259,6 +260,8 @@ class TorchDFlashDrafter:
             if not self.can_draft(c.length + n):
                 raise ValueError(f"a block at position {c.length + n} passes the drafter's {self.max_positions}")
         c_max = max(ctx_lens)
+        if self.examples is not None:  # keep each row's cache as it was before this round (detached views)
+            before = [[t.detach() for t in c.kv] for c in caches]
         past, l_max = pad_caches(caches)
         ids = torch.full((b, blk), self.mask_token_id, dtype=torch.int64)
         ids[:, 0] = torch.tensor([int(t) for t in bonus_tokens], dtype=torch.int64)
@@ -289,6 +292,13 @@ class TorchDFlashDrafter:
             logits = torch.full((*h[:, 1:].shape[:2], self.vocab_size), float("-inf"), device=dev)
             logits[..., self.draft_ids] = torch.matmul(h[:, 1:], self.lm_head_weight[self.draft_ids].transpose(0, 1))
         unpad_present([t for pair in new_kv for t in pair], caches, l_max, ctx_lens)
+        if self.examples is not None:
+            from runtime.online_adapt import _Example
+
+            self.examples = [_Example(ids[r].clone(), hidden[r, :n].clone(),
+                                      torch.cat([pos[r, :n], pos[r, c_max:]]).clone(),
+                                      [(before[r][2 * i], before[r][2 * i + 1]) for i in range(self.num_layers)], [])
+                             for r, n in enumerate(ctx_lens)]
         return logits.float().cpu().numpy()
 
 

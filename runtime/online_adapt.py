@@ -1,0 +1,166 @@
+"""Online draft adaptation: the drafter learns from the target's verified tokens while it serves (torch backend).
+
+The baseline SharpDraft (arXiv 2610.05106, Table 1) compares query scaling with: after each verify round, a
+gradient step on the drafter whose labels are the tokens the target just produced, either on low-rank adapters
+(LoRA, rank r, on the drafter's attention and MLP projections) or on every drafter weight ("full"). Only the
+drafter changes, so decoding stays lossless: the target still verifies every draft token.
+
+One step (:meth:`OnlineAdapter.learn`), per drafting row of the round: the block forward of that round is run
+again with gradients (the row's cached context K/V, computed by earlier weights, are reused as they are, detached),
+the LM head (the target's, frozen) scores slots 1..m, and cross-entropy against the m tokens the target emitted
+after the bonus token (accepted drafts and the target's own correction) is minimised with AdamW. ``interval``
+rounds are collected per step. LoRA adapters come from ``peft`` (``inject_adapter_in_model``), B initialised to
+zero, so the drafter starts exactly as shipped.
+
+Recorded (:meth:`OnlineAdapter.stats`): trainable parameters, steps, mean loss of the last steps, the optimizer
+state's bytes, the adapter's extra bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("lora", "full")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptConfig:
+    """Online adaptation settings.
+
+    Attributes:
+        mode: "lora" (adapters on ``LORA_TARGETS`` of every drafter layer) or "full" (every drafter weight).
+        rank: LoRA rank r (alpha = 2 r, as peft's common default ratio).
+        lr: AdamW learning rate.
+        interval: verify rounds collected per gradient step (>= 1).
+    Raises:
+        ValueError: an unknown mode or a non-positive rank / lr / interval.
+    """
+
+    mode: str = "lora"
+    rank: int = 8
+    lr: float = 1e-4
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"online adaptation mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.rank < 1 or self.lr <= 0 or self.interval < 1:
+            raise ValueError(f"rank, lr and interval must be positive, got {self.rank}, {self.lr}, {self.interval}")
+
+
+@dataclasses.dataclass
+class _Example:
+    """One drafting row of a round: the block forward's inputs (detached) and the target's tokens after it."""
+
+    block_ids: torch.Tensor  # [B] int64
+    target_hidden: torch.Tensor  # [c, F] context rows fed in that round
+    position_ids: torch.Tensor  # [c + B]
+    past_kv: list  # per layer (k, v) [1, kv_heads, past, head_dim], detached
+    labels: list[int]  # the target's tokens at block slots 1..m
+
+
+def attach(engine, config: AdaptConfig) -> "OnlineAdapter":
+    """Turn on online adaptation for a torch-backend engine (``SpecEngine.from_dir(..., backend="torch")``): its
+    drafter runs on the eager attention (gradients flow through it) and records each round's block inputs.
+
+    Raises:
+        ValueError: another backend or family (the ONNX graphs are frozen; PARD / EAGLE-3 run on ONNX Runtime).
+        ImportError: LoRA without ``peft``.
+    """
+    from runtime.modes import AttentionImpl
+    from runtime.torch_engines import TorchDFlashDrafter
+
+    if not isinstance(engine.drafter, TorchDFlashDrafter):
+        raise ValueError("online adaptation runs on the torch backend with a DFlash drafter (--backend torch); the "
+                         "ONNX Runtime graphs are frozen")
+    engine.drafter.model.attention_impl = AttentionImpl.EAGER
+    adapter = OnlineAdapter(engine.drafter, config)
+    engine.drafter.examples = []
+    engine.adapter = adapter
+    return adapter
+
+
+class OnlineAdapter:
+    """Adapts a :class:`runtime.torch_engines.TorchDFlashDrafter`'s module in place (module docstring).
+
+    Raises:
+        ImportError: ``mode="lora"`` without the ``peft`` package (``pip install peft``).
+    """
+
+    def __init__(self, drafter, config: AdaptConfig):
+        self.drafter, self.config = drafter, config
+        model = drafter.model
+        if config.mode == "lora":
+            from peft import LoraConfig, inject_adapter_in_model
+
+            for p in model.parameters():
+                p.requires_grad_(False)
+            inject_adapter_in_model(LoraConfig(r=config.rank, lora_alpha=2 * config.rank, lora_dropout=0.0,
+                                               target_modules=list(LORA_TARGETS)), model)
+            params = [p for n, p in model.named_parameters() if "lora_" in n]
+            for p in params:
+                p.requires_grad_(True)
+        else:
+            params = list(model.parameters())
+            for p in params:
+                p.requires_grad_(True)
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+        self.pending: list[_Example] = []
+        self.steps = 0
+        self.losses: list[float] = []
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def record(self, example: _Example) -> None:
+        """Queue one row's round; a gradient step runs every ``interval`` recorded rounds' worth of rows."""
+        if example.labels:
+            self.pending.append(example)
+
+    def maybe_step(self, rounds: int) -> float | None:
+        """Run a step when ``rounds`` (the engine's round counter) reaches the interval. Returns the loss."""
+        if not self.pending or rounds % self.config.interval:
+            return None
+        return self.learn(self.pending)
+
+    def learn(self, examples: list[_Example]) -> float:
+        """One AdamW step on ``examples`` (mean cross-entropy over every labelled slot). Returns the loss."""
+        d = self.drafter
+        model = d.model
+        model.train()
+        losses = []
+        for ex in examples:
+            emb = model.embed_block(ex.block_ids[None], d.embed_weight)
+            keys = ex.past_kv[0][0].shape[2] + ex.position_ids.shape[0]
+            h, _ = model(emb, ex.target_hidden[None], ex.position_ids[None], ex.past_kv, profile=d.profile,
+                         key_mask=torch.ones(1, keys, dtype=torch.long, device=d.device))
+            m = len(ex.labels)
+            logits = h[0, 1:1 + m] @ d.lm_head_weight.T
+            losses.append(F.cross_entropy(logits.float(), torch.tensor(ex.labels, device=d.device)))
+        loss = torch.stack(losses).mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        model.eval()
+        self.pending = []
+        self.steps += 1
+        value = float(loss.detach())
+        self.losses.append(value)
+        return value
+
+    def stats(self) -> dict[str, Any]:
+        state_bytes = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                          for t in s.values() if torch.is_tensor(t))
+        return {"mode": self.config.mode, "rank": self.config.rank if self.config.mode == "lora" else None,
+                "lr": self.config.lr, "interval": self.config.interval,
+                "trainable_parameters": self.trainable_parameters, "steps": self.steps,
+                "mean_loss_last_10": sum(self.losses[-10:]) / len(self.losses[-10:]) if self.losses else None,
+                "optimizer_state_bytes": state_bytes,
+                "adapter_bytes": sum(p.numel() * p.element_size() for p in self.params)
+                if self.config.mode == "lora" else 0}
