@@ -45,7 +45,9 @@ BLOCK = 8
 TAPS = [1, 14, 27]
 
 
-def make_drafter(target, num_layers: int) -> DFlashDrafter:
+def make_drafter(target, num_layers: int, windows: list[int | None] | None = None) -> DFlashDrafter:
+    """A new drafter initialised from the target's last layers; ``windows``: per layer a sliding window or None
+    (full attention), as Qwen3.6 DFlash drafters' ``layer_types`` (None: every layer full)."""
     tc = target.config
     cfg = DFlashConfig(
         hidden_size=tc.hidden_size, num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
@@ -53,7 +55,7 @@ def make_drafter(target, num_layers: int) -> DFlashDrafter:
         intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size, block_size=BLOCK,
         mask_token_id=tc.vocab_size, target_layer_ids=TAPS, num_target_layers=tc.num_hidden_layers,
         rms_norm_eps=tc.rms_norm_eps, rope_theta=100000.0, max_position_embeddings=tc.max_position_embeddings,
-        query_scale=training_profile(None, SEQ_LEN))
+        query_scale=training_profile(None, SEQ_LEN), layer_windows=list(windows or []))
     d = DFlashDrafter(cfg)
     # Initialise each drafter layer from one of the target's last layers (Llama has no q/k norm: those stay 1).
     tl = target.model.layers
@@ -205,6 +207,15 @@ def dense_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
     return torch.cat([ctx, own], dim=1)
 
 
+def window_mask(mask: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """A sliding layer's training mask: :func:`dense_mask` ``[1, 1, A*B, S + A*B]`` with every key at a position
+    <= query position - ``window`` hidden (context and block keys alike), the inference rule of
+    ``DFlashDrafter.window_mask``. ``query_pos`` ``[A*B]``: the block slots' positions (also the block keys')."""
+    seq_len = mask.shape[-1] - query_pos.numel()
+    key_pos = torch.cat([torch.arange(seq_len), query_pos])
+    return mask & (key_pos[None, :] > (query_pos[:, None] - window))
+
+
 def block_hidden(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
     """Drafter output states ``[A, B, hidden]`` (after ``norm``) for the blocks of one sequence at ``anchors`` [A]
     int64, all in one dense masked forward (:func:`dense_mask`).
@@ -226,9 +237,9 @@ def block_hidden(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torc
     cos_c, sin_c = rope_cos_sin(torch.arange(seq_len)[None], cfg.head_dim, cfg.rope_theta, h.dtype)
     cos_b, sin_b = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)
     mask = dense_mask(anchors, seq_len, BLOCK)[None, None]
-    for layer in d.layers:
+    for layer, window in zip(d.layers, cfg.windows):
         k, v = layer.self_attn.context_kv(ctx, cos_c, sin_c)
-        h = layer(h, k, v, cos_b, sin_b, attn_mask=mask)
+        h = layer(h, k, v, cos_b, sin_b, attn_mask=mask if window is None else window_mask(mask, pos[0], window))
     return d.norm(h).reshape(anchors.numel(), BLOCK, -1)
 
 
@@ -297,12 +308,16 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
 @click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="start a new run (no checkpoint under --work yet) from these DFlash weights, e.g. the shipped "
                    "drafters/dflash-smollm2-135m, with a fresh optimizer; ignored when resuming")
+@click.option("--sliding-window", default=None, type=click.IntRange(min=1),
+              help="new runs: sliding-window layers with this window (Qwen3.6 DFlash style); see --full-layers")
+@click.option("--full-layers", default=0, show_default=True, type=click.IntRange(min=0),
+              help="with --sliding-window: how many of the last layers keep full attention (Qwen3.6: 1 of 5)")
 @click.option("--gen-anchors", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="fraction of each sequence's anchors drawn from the target's own greedy continuation (records "
                    "with a prompt_len, scripts/distill.py), where the drafter drafts at inference; the rest uniform")
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
           threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None,
-          gen_anchors: float):
+          sliding_window: int | None, full_layers: int, gen_anchors: float):
     """Train (or resume) the drafter on all shards under --work for --minutes of wall time.
 
     The drafter's ``sharpdraft_query_scale.ref_keys`` is set to the longest training sequence (its training
@@ -334,7 +349,9 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         state["init_from"] = str(init_from)
         print(f"new run from the weights in {init_from}")
     else:
-        d = make_drafter(target, layers)
+        windows = None if sliding_window is None else \
+            [sliding_window] * max(0, layers - full_layers) + [None] * min(full_layers, layers)
+        d = make_drafter(target, layers, windows)
     del target
     opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     if ck is not None:

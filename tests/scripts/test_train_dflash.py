@@ -64,6 +64,23 @@ def test_training_forward_equals_inference_draft_step():
             torch.testing.assert_close(batched[i], h[0], rtol=1e-4, atol=1e-4)
 
 
+def test_sliding_window_training_forward_equals_inference_draft_step():
+    """With a sliding layer (window 6 < the anchors' contexts) the batched training masks equal the runtime's."""
+    d, rec = _drafter(), _record()
+    d.config.layer_windows = [6, None]
+    embed = torch.randn(VOCAB, HIDDEN)
+    anchors = torch.tensor([2, 9, 21, 30])
+    with torch.no_grad():
+        batched = block_hidden(d, rec, anchors, embed)
+        full = block_hidden(_drafter(), rec, anchors, embed)
+        assert not torch.allclose(batched, full)  # the window hides context the full layer sees
+        for i, a in enumerate(anchors.tolist()):
+            block = torch.full((1, BLOCK), VOCAB)
+            block[0, 0] = int(rec["ids"][a])
+            h, _ = d(d.embed_block(block, embed), rec["taps"].float()[None, :a], torch.arange(a + BLOCK)[None])
+            torch.testing.assert_close(batched[i], h[0], rtol=1e-4, atol=1e-4)
+
+
 def test_draft_vocab_loss():
     d, rec = _drafter(), _record()
     embed = torch.randn(VOCAB, HIDDEN)
