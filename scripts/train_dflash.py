@@ -309,7 +309,8 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
               help="start a new run (no checkpoint under --work yet) from these DFlash weights, e.g. the shipped "
                    "drafters/dflash-smollm2-135m, with a fresh optimizer; ignored when resuming")
 @click.option("--sliding-window", default=None, type=click.IntRange(min=1),
-              help="new runs: sliding-window layers with this window (Qwen3.6 DFlash style); see --full-layers")
+              help="new runs (also with --init-from): sliding-window layers with this window (Qwen3.6 DFlash "
+                   "style); see --full-layers")
 @click.option("--full-layers", default=0, show_default=True, type=click.IntRange(min=0),
               help="with --sliding-window: how many of the last layers keep full attention (Qwen3.6: 1 of 5)")
 @click.option("--gen-anchors", default=0.0, show_default=True, type=click.FloatRange(0, 1),
@@ -348,6 +349,10 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         d = load_dflash(init_from)
         state["init_from"] = str(init_from)
         print(f"new run from the weights in {init_from}")
+        if sliding_window is not None:  # adapt a full-attention drafter to sliding-window layers
+            n = d.config.num_hidden_layers
+            d.config.layer_windows = [sliding_window] * max(0, n - full_layers) + [None] * min(full_layers, n)
+            print(f"layer windows {d.config.windows}")
     else:
         windows = None if sliding_window is None else \
             [sliding_window] * max(0, layers - full_layers) + [None] * min(full_layers, layers)
