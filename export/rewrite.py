@@ -11,7 +11,6 @@ Pipeline (each step's output feeds the next; rules are independent of each other
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import logging
 from pathlib import Path
@@ -24,7 +23,7 @@ from export.rules import DecomposedAttentionQueryScale, GroupQueryAttentionQuery
 from export.rules.base import AttentionMatch, MatchFailure, is_query_scale_mul
 from export.rules.beta_graph import NameTable, SharedBeta, SubgraphBuilder, beta_from_num_keys
 from export.rules.decomposed import ScoreMask, score_masks, visible_keys_from_masks
-from plugins.rule import QueryScaleProfile
+from plugins.rule import QueryScaleProfile, Vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +43,12 @@ class _Collected:
     rejected: list[tuple[str, str, MatchFailure]] = dataclasses.field(default_factory=list)  # (rule, node, why)
 
 
-class NumKeysFrom(str, enum.Enum):
+class NumKeysFrom(Vocabulary):
     """Where the in-graph beta reads N (see :func:`insert_query_scale`). A ``str`` enum: equal to its value."""
 
     KEY_LENGTH = "key_length"  # one N per graph: a Shape of the keys (single-sequence graphs)
     KEY_MASK = "key_mask"  # per batch row: the sum of a [batch, keys] key-mask input (DFlash blocks)
     SCORE_MASK = "score_mask"  # per query row: the keys each attention's own score mask shows (causal drafters)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 NUM_KEYS_FROM = tuple(NumKeysFrom)

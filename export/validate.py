@@ -212,7 +212,7 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         b = beta_torch(n_keys, profile)
         pkv = [(past[2 * i], past[2 * i + 1]) for i in range(cfg.num_hidden_layers)]
         emb = drafter.embed_block(ids, embed)
-        if any(w is not None for w in cfg.windows):  # beta per layer and row, from each layer's own mask
+        if cfg.sliding:  # beta per layer and row, from each layer's own mask
             h, new_kv = drafter(emb, th, pos, pkv, profile=profile, new_kv_only=True,
                                 key_mask=torch.ones(1, n_keys, dtype=torch.long))
         else:

@@ -23,7 +23,32 @@ DEFAULT_CAP = math.exp(0.5)  # e^0.5 ~= 1.6487212707
 
 
 
-class Family(str, enum.Enum):
+class Vocabulary(str, enum.Enum):
+    """Base of the project's mode vocabularies (:class:`Family`, ``runtime.modes``, ``export.rewrite.NumKeysFrom``,
+    ``plugins.trtllm_patch.Route``): a ``str`` enum equal to, hashing as and printing as its value, so a member and
+    its string are the same dict key and JSON writes the string. :meth:`parse` refuses other values with
+    :meth:`_refusal`'s message."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    @classmethod
+    def _refusal(cls, value) -> str:
+        return f"{cls.__name__} must be one of {', '.join(m.value for m in cls)}, got {value!r}"
+
+    @classmethod
+    def parse(cls, value):
+        """``cls(value)`` with an error that lists the choices. Raises ValueError."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(cls._refusal(value)) from None
+
+
+class Family(Vocabulary):
     """The drafter families sharpdraft exports and serves (the ``--drafter`` choices and the manifest's
     ``drafter.family``). A ``str`` enum: ``Family.DFLASH == "dflash"`` and it writes to JSON as ``"dflash"``. Everything
     else that differs between families lives on one object per family (export/families/)."""
@@ -32,20 +57,9 @@ class Family(str, enum.Enum):
     PARD = "pard"
     EAGLE3 = "eagle3"
 
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # as its value's: a member and its string are the same dict key
-        return hash(self.value)
-
     @classmethod
-    def parse(cls, name: "str | Family") -> "Family":
-        """``Family(name)`` with an error that lists the choices. Raises ValueError."""
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"unknown drafter family {name!r}; choose one of "
-                             f"{', '.join(f.value for f in cls)}") from None
+    def _refusal(cls, value) -> str:
+        return f"unknown drafter family {value!r}; choose one of {', '.join(f.value for f in cls)}"
 
 
 # ref_keys per drafter family: DFlash and PARD from the paper's primary runs; EAGLE-3 heads are trained at 2048

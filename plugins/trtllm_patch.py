@@ -56,7 +56,6 @@ without TensorRT-LLM; the installer only resolves names and swaps attributes.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import importlib
 import threading
@@ -65,7 +64,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from plugins.rule import Family, QueryScaleProfile, beta_torch, visible_keys
+from plugins.rule import Family, QueryScaleProfile, Vocabulary, beta_torch, visible_keys
 from plugins.trtllm_tables import logn_scaling_table
 
 SUPPORTED = (
@@ -74,17 +73,11 @@ SUPPORTED = (
     "attention/backends/fmha/interface.py @b0a6e828)"
 )
 FAMILIES = tuple(f.value for f in Family)
-class Route(str, enum.Enum):
+class Route(Vocabulary):
     """How beta reaches TensorRT-LLM's attention (module docstring). A ``str`` enum: equal to its value."""
 
     MULTIPLY = "multiply"  # q * beta in PyTorch before the kernel (all families)
     LOGN_TABLE = "logn_table"  # FmhaParams' log-n scaling table (PARD, Eagle3; unverified on a GPU)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:
-        return hash(self.value)
 
 
 ROUTES = tuple(r.value for r in Route)

@@ -393,7 +393,8 @@ class SpecEngine:
             before = len(s.out)
             s.finish_reason = s.stopper.extend(s.out, new)
             n_new = len(s.out) - before
-            learned[r] = s.out[before:]
+            if self.adapter is not None:
+                learned[r] = s.out[before:]
             if s.token_logprobs is not None:  # emitted token j was drawn from verify row j (trimmed like the ids)
                 s.token_logprobs.extend(token_logprob(logits[r, j], s.out[before + j], s.params)
                                         for j in range(n_new))

@@ -7,24 +7,14 @@ TensorRT-LLM's attention).
 """
 from __future__ import annotations
 
-import enum
+from plugins.rule import Vocabulary
 
 
-class _Mode(str, enum.Enum):
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # as its value's: a member and its string are the same dict key
-        return hash(self.value)
-
+class _Mode(Vocabulary):
     @classmethod
-    def parse(cls, value):
-        """``cls(value)`` with an error naming the field and the choices. Raises ValueError."""
-        try:
-            return cls(value)
-        except ValueError:
-            label = _LABELS.get(cls.__name__, cls.__name__)
-            raise ValueError(f"{label} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
+    def _refusal(cls, value) -> str:  # names the field as users write it
+        label = _LABELS.get(cls.__name__, cls.__name__)
+        return f"{label} must be one of {', '.join(m.value for m in cls)}, got {value!r}"
 
 
 class Backend(_Mode):

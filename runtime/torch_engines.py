@@ -182,8 +182,7 @@ class TorchDFlashDrafter:
         self.model = model.to(device=self.device, dtype=torch.float32).eval()
         # sliding-window layers run on the eager attention (the fused op's window is causal); beta per layer and
         # row comes from each layer's own mask either way
-        windowed = any(w is not None for w in model.config.windows)
-        self.model.attention_impl = AttentionImpl.EAGER if windowed else attention_impl
+        self.model.attention_impl = AttentionImpl.EAGER if model.config.sliding else attention_impl
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
             if w.dim() != 2 or w.shape[1] != cfg.hidden_size:
                 raise ValueError(f"{name} {tuple(w.shape)} must be [vocab, {cfg.hidden_size}]")
@@ -276,8 +275,7 @@ class TorchDFlashDrafter:
         ids, hidden, pos, mask = ids.to(dev), hidden.to(dev), pos.to(dev), mask.to(dev)
         past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
         emb = self.model.embed_block(ids, self.embed_weight)
-        windowed = any(w is not None for w in self.model.config.windows)
-        if self.model.attention_impl == AttentionImpl.FUSED or windowed:  # beta from each layer's own mask
+        if self.model.attention_impl == AttentionImpl.FUSED or self.model.config.sliding:  # beta from each layer's own mask
             rows_on = torch.tensor(flags, dtype=torch.bool, device=dev)
             h, new_kv = self.model(emb, hidden, pos, past_kv, key_mask=mask, profile=self.profile, rows_on=rows_on)
         else:

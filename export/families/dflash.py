@@ -59,17 +59,17 @@ class DFlashFamily(DrafterFamily):
         """Full layers: N per batch row from the key mask. With sliding-window layers N differs per layer and per
         query row (a row sees the keys within its window), so every attention's N is counted from its own mask
         (score_mask mode: full layers still get s + B, windowed ones min(s + B, their window's keys))."""
-        if any(w is not None for w in drafter.config.windows):
+        if drafter.config.sliding:
             return {"num_keys_from": NumKeysFrom.SCORE_MASK}
         return dict(self.rewrite_num_keys)
 
     def num_keys_text(self, drafter) -> str:
-        if any(w is not None for w in drafter.config.windows):
+        if drafter.config.sliding:
             return "per query row and layer: visible keys of that attention's mask (sliding layers: their window)"
         return self.num_keys_note
 
     def fused_attention_ok(self, drafter) -> bool:
-        return all(w is None for w in drafter.config.windows)  # the fused op's window is causal
+        return not drafter.config.sliding  # the fused op's window is causal
 
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
         from export.graphs import export_drafter

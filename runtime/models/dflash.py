@@ -130,6 +130,11 @@ class DFlashConfig:
         """The window of every layer (None: full attention)."""
         return self.layer_windows or [None] * self.num_hidden_layers
 
+    @property
+    def sliding(self) -> bool:
+        """Whether any layer has a sliding window."""
+        return any(w is not None for w in self.layer_windows)
+
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (bonus slot + at least one draft slot), got {self.block_size}")
@@ -192,7 +197,7 @@ class DFlashConfig:
                    attention_bias=self.attention_bias, hidden_act="silu",
                    layer_types=["full_attention" if w is None else "sliding_attention" for w in self.windows],
                    dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids})
-        if any(w is not None for w in self.windows):
+        if self.sliding:
             out["sliding_window"] = next(w for w in self.windows if w is not None)
             out["use_sliding_window"] = True
         if self.query_scale is not None:
@@ -501,13 +506,13 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(target_hidden)
         attn_mask = None if key_mask is None else key_mask.to(torch.bool)[:, None, None, :]  # [batch, 1, 1, keys]
         windows = self.config.windows
-        if any(w is not None for w in windows) and self.attention_impl == AttentionImpl.FUSED:
+        if self.config.sliding and self.attention_impl == AttentionImpl.FUSED:
             raise ValueError("sliding-window DFlash layers run on the eager attention (the fused op's window is "
                              "causal); set attention_impl='eager'")
         c_past = 0 if past_kv is None else past_kv[0][0].shape[2]
         # key positions: the cache holds positions 0..c_past-1 in order, then the new context rows and the block
         key_pos = torch.cat([torch.arange(c_past, device=position_ids.device)[None].expand(position_ids.shape[0], -1),
-                             position_ids], dim=1) if any(w is not None for w in windows) else None
+                             position_ids], dim=1) if self.config.sliding else None
         h, new_kv = block_embeds, []
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.self_attn.context_kv(ctx, cos[:, :, :c_new], sin[:, :, :c_new])
