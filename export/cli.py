@@ -49,10 +49,14 @@ from export.rewrite import QueryScaleRewriteError
                    "(weight-only MatMulNBits, built by ONNX Runtime GenAI's model builder; see README)")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="int4/int8: MatMulNBits activation precision (4 = int8 activations, the default; 1 = fp32)")
+@click.option("--drafter-precision", type=click.Choice(["fp32", "int8"]), default=None,
+              help="drafter graph weights: int8 (MatMulNBits; with a quantized target its LM head is the target's "
+                   "own int4 rows) or fp32; default int8 for DFlash with an int4/int8 target, else fp32")
 @click.option("-v", "--verbose", is_flag=True,
               help="show the exporters' and optimizers' own output on the console too (default: in OUT/export.log)")
 def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
-         full_vocab, verify_draft_tokens, target_kv_io, drafter_kv_io, target_precision, accuracy_level, verbose):
+         full_vocab, verify_draft_tokens, target_kv_io, drafter_kv_io, target_precision, accuracy_level,
+         drafter_precision, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
@@ -69,7 +73,8 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                            fused_attention=fused_attention, num_draft_tokens=num_draft_tokens,
                            full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens,
                            target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io,
-                           target_precision=target_precision, accuracy_level=accuracy_level)
+                           target_precision=target_precision, accuracy_level=accuracy_level,
+                           drafter_precision=drafter_precision)
         with quiet:
             manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:

@@ -52,6 +52,9 @@ class ExportConfig:
     drafter_kv_io: str = "static"  # export/graphs.py export_drafter (DFlash): "static" or "concat"
     target_precision: str = DEFAULT_TARGET_PRECISION  # "fp32" (export/graphs.py), "int4" / "int8" (genai_target.py)
     accuracy_level: int | None = None  # int4/int8: MatMulNBits activation precision (None: the module default)
+    # "fp32" or "int8" (export/drafter_quant.py); None: int8 where the family supports it and the target is
+    # quantized, else fp32
+    drafter_precision: str | None = None
 
     def __post_init__(self) -> None:
         self.family = get_family(self.family).family  # ExportError listing the families
@@ -73,6 +76,9 @@ class ExportConfig:
             raise ExportError(f"--verify-draft-tokens must be >= 1, got {self.verify_draft_tokens}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ExportError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.drafter_precision is not None and self.drafter_precision not in self.spec.drafter_precisions:
+            raise ExportError(f"--drafter-precision {self.drafter_precision}: {self.family.value} drafters export in "
+                              f"{' or '.join(self.spec.drafter_precisions)}")
         if self.fused_attention and not self.spec.fused_attention:
             raise ExportError(f"--fused-attention supports "
                               f"{', '.join(f.value for f in Family if get_family(f).fused_attention)} drafters "
@@ -87,6 +93,14 @@ class ExportConfig:
     def spec(self) -> DrafterFamily:
         """The family object (export/families/)."""
         return get_family(self.family)
+
+    @property
+    def drafter_graph_precision(self) -> str:
+        """The drafter graph's precision: the option, else int8 for a quantized target when the family has it."""
+        if self.drafter_precision is not None:
+            return self.drafter_precision
+        quantized = self.target_precision != "fp32" and "int8" in self.spec.drafter_precisions
+        return "int8" if quantized else "fp32"
 
 
 def load_drafter(family: "Family | str", ckpt: Path):
@@ -179,7 +193,8 @@ def find_shared_weights(target_onnx: Path) -> dict:
 
 def _graph_entry(root: Path, onnx_file: Path, io: dict) -> dict:
     files = [onnx_file] + [p for p in onnx_file.parent.iterdir() if p != onnx_file]
-    extra = {k: io[k] for k in ("kv_io", "precision", "taps_output", "min_q_len", "builder") if k in io}
+    extra = {k: io[k] for k in ("kv_io", "precision", "taps_output", "min_q_len", "builder", "quantization")
+             if k in io}
     return {"file": str(onnx_file.relative_to(root)), "inputs": io["inputs"], "outputs": io["outputs"], **extra,
             "sha256": {str(p.relative_to(root)): sha256_file(p) for p in sorted(files)}}
 
@@ -237,12 +252,18 @@ def run_export(cfg: ExportConfig) -> dict:
                                      draft_ids)
         validation = {"target": _validate_target(cfg, target, taps, tmp / "target" / "model.onnx", target_io, tok),
                       "drafter": drafter_check}
+        fused = None  # checked against the fp32 drafter graph, so before it is quantized
+        if cfg.fused_attention:
+            fused = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed, lm_head,
+                                   validation)
+        if cfg.drafter_graph_precision == "int8":
+            validation["drafter_int8"] = _quantize_drafter(cfg, drafter, target, tok, tmp, scratch, drafter_io,
+                                                           shared, embed, lm_head, draft_ids)
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
         graphs.update({name: _graph_entry(tmp, tmp / name / "model.onnx", io) for name, io in extra_io.items()})
-        if cfg.fused_attention:
-            graphs["drafter_fused"] = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config,
-                                                     profile, embed, lm_head, validation)
+        if fused is not None:
+            graphs["drafter_fused"] = fused
         tok.save_pretrained(tmp / "tokenizer")
         entry = fam.manifest_entry(ckpt, drafter, k)
         entry["verify_draft_tokens"] = int(verify or k)
@@ -324,6 +345,39 @@ def _shared_tables(cfg: ExportConfig, target, target_onnx: Path, drafter_io: dic
     shared = find_shared_weights(target_onnx)
     shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
     return shared, target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+
+
+def _quantize_drafter(cfg: ExportConfig, drafter, target, tok, tmp: Path, scratch: Path, drafter_io: dict,
+                      shared: dict, embed, lm_head, draft_ids) -> dict:
+    """Replace ``drafter/model.onnx`` (validated fp32) by its int8 form (export/drafter_quant.py) and measure how
+    often it drafts the fp32 graph's tokens on real text. Updates ``drafter_io`` (precision, quantization, an LM
+    head moved into the graph) and ``shared`` in place; returns ``validation.drafter_int8``. Raises ExportError."""
+    from export.drafter_quant import (LM_HEAD_INPUT, MIN_SLOT1_AGREEMENT, DrafterQuantError, proposal_agreement,
+                                      quantize_drafter_graph)
+
+    log.info("quantizing the drafter graph (int8 weights%s) ...",
+             ", the target's own LM-head rows" if "quantized" in shared.get(LM_HEAD_INPUT, {}) else "")
+    float_dir = scratch / "drafter-fp32"
+    float_dir.mkdir()
+    for f in (tmp / "drafter").glob("model.onnx*"):
+        shutil.move(f, float_dir / f.name)
+    try:
+        info = quantize_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx",
+                                      shared.get(LM_HEAD_INPUT), tmp / "target" / "model.onnx", draft_ids)
+    except DrafterQuantError as e:
+        raise ExportError(str(e)) from e
+    feed = cfg.spec.quantization_feed(drafter, target, tok, embed, lm_head, draft_ids)
+    check = proposal_agreement(float_dir / "model.onnx", tmp / "drafter" / "model.onnx", feed)
+    check["min_slot1_agreement"] = MIN_SLOT1_AGREEMENT
+    if check["slot_top1_agreement"][0] < MIN_SLOT1_AGREEMENT:
+        raise ExportError(f"the int8 drafter graph drafts the fp32 graph's first token at "
+                          f"{check['slot_top1_agreement'][0]:.0%} of real-text positions only (< "
+                          f"{MIN_SLOT1_AGREEMENT:.0%}); export with --drafter-precision fp32")
+    if info["lm_head"]:
+        drafter_io["inputs"] = [i for i in drafter_io["inputs"] if i != LM_HEAD_INPUT]
+        shared.pop(LM_HEAD_INPUT, None)
+    drafter_io.update(precision="int8", quantization=info)
+    return check
 
 
 def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io: dict, tok) -> dict:

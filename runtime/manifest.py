@@ -92,6 +92,7 @@ class GraphEntry:
     taps_output: str | None = None  # builder graphs: the output holding the tapped hidden states
     min_q_len: int | None = None  # builder graphs whose 1-token step rounds differently (docs/quantized-target.md)
     builder: dict[str, Any] | None = None  # builder graphs: package, block size, accuracy level, options
+    quantization: dict[str, Any] | None = None  # int8 drafter graphs: export/drafter_quant.py's record
     fused_op: str | None = None  # drafter_fused: the custom op's name
     fused_attentions: int | None = None
     note: str | None = None
@@ -104,6 +105,7 @@ class GraphEntry:
                     sha256=f.get("sha256", dict), kv_io=None if kv is None else KvIo.parse(kv),
                     precision=f.get("precision", str, False), taps_output=f.get("taps_output", str, False),
                     min_q_len=f.get("min_q_len", int, False), builder=f.get("builder", dict, False),
+                    quantization=f.get("quantization", dict, False),
                     fused_op=f.get("fused_op", str, False), fused_attentions=f.get("fused_attentions", int, False),
                     note=f.get("note", str, False))
         f.no_rest()

@@ -344,11 +344,16 @@ class OrtDFlashDrafter(_Graph):
         self._drafter_setup(engine_dir, manifest, graph)
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
         self._full_head = self.shared.get("lm_head_weight")
+        # an int8 graph (export/drafter_quant.py) may carry its LM head: the target's quantized rows, in the draft
+        # vocabulary's order when the folder has one
+        self.head_in_graph = "lm_head_weight" not in graph["inputs"] and bool((graph.get("quantization") or {})
+                                                                             .get("lm_head"))
         self.draft_ids = self._draft_head = None
         vocab_entry = manifest["drafter"].get("draft_vocab")
-        if vocab_entry and self._full_head is not None:
+        if vocab_entry and (self._full_head is not None or self.head_in_graph):
             self.draft_ids = load_draft_vocab(engine_dir / vocab_entry["file"], self.vocab_size)
-            self._draft_head = np.ascontiguousarray(self._full_head[self.draft_ids])
+            if self._full_head is not None:
+                self._draft_head = np.ascontiguousarray(self._full_head[self.draft_ids])
         self.set_draft_vocab(True)
 
     def new_cache(self) -> KVCache | StaticKVCache:
@@ -358,7 +363,14 @@ class OrtDFlashDrafter(_Graph):
 
     def set_draft_vocab(self, enabled: bool) -> None:
         """Score only the draft vocabulary's LM-head rows (the default when the engines folder has one), or the
-        whole vocabulary (A/B; runtime/draft_vocab.py). No-op for folders without a draft vocabulary."""
+        whole vocabulary (A/B; runtime/draft_vocab.py). No-op for folders without a draft vocabulary.
+
+        Raises:
+            ValueError: ``enabled`` False on a graph that carries its draft-vocabulary LM head (int8 export).
+        """
+        if self.head_in_graph and not enabled and self.draft_ids is not None:
+            raise ValueError("this int8 drafter graph carries the draft vocabulary's LM-head rows; export with "
+                             "--drafter-precision fp32 to score the whole vocabulary")
         self.draft_vocab_enabled = bool(enabled and self.draft_ids is not None)
         if self._full_head is not None:
             self.shared["lm_head_weight"] = self._draft_head if self.draft_vocab_enabled else self._full_head

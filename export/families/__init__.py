@@ -47,6 +47,7 @@ class DrafterFamily(abc.ABC):
     fused_attention: bool = False
     draft_tokens_option: bool = True
     calibration_proxy: str = "slot1_agreement"
+    drafter_precisions: tuple[str, ...] = ("fp32",)  # --drafter-precision choices (export/drafter_quant.py)
 
     # ---------------------------------------------------------------- checkpoint and pair
     @abc.abstractmethod
@@ -103,6 +104,13 @@ class DrafterFamily(abc.ABC):
         """ORT vs torch on the rewritten graph at N below, at and above ref_keys (export/validate.py). ``embed`` /
         ``lm_head``: the tables the runtime will feed, ``[vocab, hidden]`` float32 torch tensors. Returns the
         manifest's ``validation.drafter`` entry; raises export.validate's ValidationError."""
+
+    def quantization_feed(self, drafter, target, tokenizer, embed, lm_head, draft_ids: np.ndarray | None) -> dict:
+        """A batched feed of the exported drafter graph on real text (the target's own features), on which
+        ``--drafter-precision int8`` measures how often the quantized graph drafts the float graph's tokens
+        (export/drafter_quant.py ``proposal_agreement``). Only families listing "int8" in
+        :attr:`drafter_precisions` implement it."""
+        raise NotImplementedError(f"{self.family.value} drafters export in fp32 only")
 
     @abc.abstractmethod
     def manifest_entry(self, ckpt: Path, drafter, k: int) -> dict:

@@ -22,6 +22,7 @@ class DFlashFamily(DrafterFamily):
     fused_attention = True
     draft_tokens_option = False
     calibration_proxy = "proxy_mal"
+    drafter_precisions = ("fp32", "int8")
 
     def load(self, ckpt: Path):
         from runtime.models.dflash import load_dflash
@@ -82,6 +83,39 @@ class DFlashFamily(DrafterFamily):
         # with a draft vocabulary the graph is checked on the LM-head rows the runtime will feed
         head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
         return validate_drafter(drafter, path, io, profile, embed, head)
+
+    @torch.no_grad()
+    def quantization_feed(self, drafter, target, tokenizer, embed, lm_head, draft_ids, rows: int = 48):
+        """``rows`` blocks drafted after real text: row r has the target's taps of the first p_r tokens as context
+        (empty past) and token p_r as its bonus; p_r spread over a few hundred tokens of the standard library's
+        ``json`` sources and the validation sentence (offline on every machine)."""
+        import inspect
+        import json.decoder
+
+        from export.validate import VALIDATION_TEXT
+        from runtime.ragged import dflash_block
+
+        c = drafter.config
+        text = VALIDATION_TEXT + inspect.getsource(json.decoder)
+        ids = torch.tensor(tokenizer.encode(text)[:640])[None]
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[t + 1] for t in c.target_layer_ids], -1)[0].float().numpy()
+        ends = np.linspace(8, ids.shape[1] - 1, rows).astype(int)
+        blk = c.block_size
+        hidden = np.zeros((rows, int(ends.max()), feats.shape[1]), np.float32)
+        tokens = np.full((rows, blk), c.mask_token_id, np.int64)
+        for r, p in enumerate(ends):
+            hidden[r, :p] = feats[:p]
+            tokens[r, 0] = ids[0, p]
+        pos, mask = dflash_block([0] * rows, ends.tolist(), 1, blk)  # one masked past slot: static graphs need >= 1
+        head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
+        empty = np.zeros((rows, c.num_key_value_heads, 1, c.head_dim), np.float32)
+        feed = {"input_ids": tokens, "target_hidden": hidden, "position_ids": pos, "attention_mask": mask,
+                "embed_weight": embed.numpy(), "lm_head_weight": head.numpy(),
+                "draft_slots": np.arange(1, blk, dtype=np.int64), "query_scale_enabled": np.ones(rows, np.float32)}
+        for i in range(c.num_hidden_layers):
+            feed[f"past_key.{i}"] = feed[f"past_value.{i}"] = empty
+        return feed
 
     def manifest_entry(self, ckpt, drafter, k):
         c = drafter.config

@@ -40,7 +40,11 @@ def test_default_export_is_the_int4_builder_graph(engine):
     v = m["validation"]["target"]
     assert v["max_abs_diff_cached_vs_full"] <= 1e-3 and v["max_abs_diff_after_rollback"] <= 1e-3
     assert all(c > 0.9 for c in v["tap_cosine"]) and v["top1_agreement_fp32"] > 0.5
-    assert "quantized" in m["shared_weights"]["lm_head_weight"]  # tied int4 table, dequantized for the drafter
+    assert "quantized" in m["shared_weights"]["embed_weight"]  # tied int4 table, dequantized for the drafter
+    # the drafter graph is int8 and scores the draft vocabulary with the target's own int4 rows (drafter_quant.py)
+    d = m["graphs"]["drafter"]
+    assert d["precision"] == "int8" and d["quantization"]["lm_head"]["rows"] == m["drafter"]["draft_vocab"]["size"]
+    assert m["validation"]["drafter_int8"]["slot_top1_agreement"][0] >= 0.9
 
 
 def test_lossless_on_real_prompts(engine):

@@ -1,0 +1,163 @@
+"""Quantized drafter graphs (``--drafter-precision int8``): weight-only ``MatMulNBits`` layers and the target's own
+quantized LM-head rows.
+
+Why: on a CPU a drafter call is memory-bound. The demo DFlash drafter reads 32 MB of fp32 layer weights and, for
+its LM head, 19 MB of float rows (the target's tied table over the 8,192-id draft vocabulary, fed at run time and
+transposed by ONNX Runtime on every call): 5-7 ms per call at 1k context, a quarter of a verify round
+(docs/quantized-target.md, "Drafter quantization"). This pass rewrites the exported (already query-scaled) drafter
+graph:
+
+1. every MatMul whose weight is a stored tensor (q/k/v/o, MLP, DFlash's ``fc``) becomes ``MatMulNBits``, 8-bit,
+   block 32, symmetric, by ONNX Runtime's own ``MatMulNBitsQuantizer`` (the int4 form loses proposals:
+   docs/quantized-target.md);
+2. when the target is a quantized builder graph (export/genai_target.py), the LM head the graph read as the input
+   ``lm_head_weight`` becomes a ``MatMulNBits`` over the target's **own** quantized rows (the draft vocabulary's
+   rows of its tied table, or all of them), bit for bit the weights the target scores with; the input is removed,
+   so the runtime feeds nothing. With a float target the LM head stays a runtime input.
+
+Attention score/value MatMuls (both inputs computed) and the query-scale (beta) nodes are not touched, so the
+in-graph rule is the same. ``accuracy_level`` 4 (int8 activations, the builder's CPU setting) is what makes
+``MatMulNBits`` fast on CPU; the drafter's logits then differ slightly from the float graph's, which changes which
+tokens are drafted, never which are accepted (the target verifies every draft token). The export measures how
+often the quantized graph proposes the float graph's tokens (:func:`proposal_agreement`) and refuses below
+:data:`MIN_SLOT1_AGREEMENT`.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+DRAFTER_PRECISIONS = ("fp32", "int8")
+LAYER_BITS = 8
+BLOCK_SIZE = 32
+ACCURACY_LEVEL = 4  # int8 activations: the fast CPU path of MatMulNBits
+MIN_SLOT1_AGREEMENT = 0.85  # quantized vs float graph, slot 1 argmax on real text (measured 0.95-0.99)
+LM_HEAD_INPUT = "lm_head_weight"
+HEAD_NODE = "draft_head"
+
+
+class DrafterQuantError(RuntimeError):
+    """The drafter graph cannot be quantized as asked; the message says what to do."""
+
+
+def quantize_drafter_graph(src: Path, dst: Path, lm_head_spec: dict | None, target_onnx: Path | None,
+                           head_rows: np.ndarray | None) -> dict:
+    """Write the int8 form of the drafter graph ``src`` to ``dst`` (external data in ``dst.name + '.data'``).
+
+    Args:
+        src: the exported, rewritten fp32 drafter graph (``drafter/model.onnx``).
+        dst: where to write the quantized graph (``src`` may be replaced by passing the same path).
+        lm_head_spec: the manifest's ``shared_weights.lm_head_weight`` spec of the target
+            (export/genai_target.py ``find_shared_weights``); a ``quantized`` ``MatMulNBits`` spec moves the LM
+            head into the graph, anything else (a float target) leaves it a runtime input.
+        target_onnx: the target graph holding that spec's tensors.
+        head_rows: int64 ``[draft_vocab]`` target ids whose LM-head rows the graph scores (the draft vocabulary, in
+            the runtime's order); None = every row.
+    Returns:
+        the graph entry's ``quantization`` record: ``{"method", "bits", "block_size", "accuracy_level",
+        "quantized_matmuls", "lm_head"}`` with ``lm_head`` ``{"source": "target", "bits", "rows"}`` or None.
+    Raises:
+        DrafterQuantError: no stored MatMul weight to quantize, or a quantized LM-head spec of a form this pass does
+        not know (asymmetric / zero points), each with what to pass instead.
+    """
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    model = onnx.load(str(src))
+    q = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(
+        block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=ACCURACY_LEVEL, bits=LAYER_BITS))
+    q.process()
+    model = q.model.model
+    n_q = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
+    if n_q == 0:
+        raise DrafterQuantError(f"{src}: no MatMul with a stored weight to quantize; export with "
+                                "--drafter-precision fp32")
+    head = None
+    quantized_head = (lm_head_spec or {}).get("quantized")
+    if quantized_head is not None and any(i.name == LM_HEAD_INPUT for i in model.graph.input):
+        head = _bake_lm_head(model, quantized_head, target_onnx, head_rows)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for old in (dst, dst.with_name(dst.name + ".data")):
+        old.unlink(missing_ok=True)
+    onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=dst.name + ".data", size_threshold=1024)
+    return {"method": "MatMulNBits (onnxruntime.quantization.MatMulNBitsQuantizer)", "bits": LAYER_BITS,
+            "block_size": BLOCK_SIZE, "accuracy_level": ACCURACY_LEVEL, "quantized_matmuls": n_q, "lm_head": head}
+
+
+def _bake_lm_head(model, spec: dict, target_onnx: Path, rows: np.ndarray | None) -> dict:
+    """Replace ``MatMul(x, Transpose(lm_head_weight))`` by ``MatMulNBits`` over the target's quantized rows."""
+    from onnx import helper, numpy_helper
+
+    from runtime.manifest import read_initializer
+
+    attrs = spec["attributes"]
+    ins = spec["inputs"]
+    if spec["op"] != "MatMulNBits" or len(ins) != 3 or not all(isinstance(i, dict) for i in ins[1:]):
+        raise DrafterQuantError(f"the target's LM head is a {spec['op']} with {len(ins)} inputs (zero points?); "
+                                "this pass takes symmetric MatMulNBits only: export with --drafter-precision fp32")
+    packed = np.asarray(read_initializer(target_onnx, ins[1]["initializer"]))
+    scales = np.asarray(read_initializer(target_onnx, ins[2]["initializer"]))
+    n, k = int(attrs["N"]), int(attrs["K"])
+    packed = packed.reshape(n, -1, packed.shape[-1]) if packed.ndim != 3 else packed
+    scales = scales.reshape(n, -1)
+    if rows is not None:
+        packed, scales = packed[rows], scales[rows]
+    users = {}
+    for node in model.graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    transposes = [t for t in users.get(LM_HEAD_INPUT, []) if t.op_type == "Transpose"]
+    matmuls = [m for t in transposes for m in users.get(t.output[0], []) if m.op_type == "MatMul"]
+    if len(users.get(LM_HEAD_INPUT, [])) != 1 or len(transposes) != 1 or len(matmuls) != 1:
+        raise DrafterQuantError("the drafter graph does not read lm_head_weight as one MatMul(x, Transpose(W)); "
+                                "export with --drafter-precision fp32")
+    tr, mm = transposes[0], matmuls[0]
+    node = helper.make_node("MatMulNBits", [mm.input[0], f"{HEAD_NODE}.weight_q", f"{HEAD_NODE}.scales"],
+                            list(mm.output), name=HEAD_NODE, domain="com.microsoft", K=k, N=int(packed.shape[0]),
+                            bits=int(attrs["bits"]), block_size=int(attrs["block_size"]),
+                            accuracy_level=ACCURACY_LEVEL)
+    nodes = list(model.graph.node)
+    at = nodes.index(mm)
+    nodes[at] = node
+    nodes.remove(tr)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(packed), f"{HEAD_NODE}.weight_q"),
+                                    numpy_helper.from_array(np.ascontiguousarray(scales), f"{HEAD_NODE}.scales")])
+    keep = [i for i in model.graph.input if i.name != LM_HEAD_INPUT]
+    del model.graph.input[:]
+    model.graph.input.extend(keep)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return {"source": "target", "bits": int(attrs["bits"]), "block_size": int(attrs["block_size"]),
+            "rows": int(packed.shape[0])}
+
+
+def proposal_agreement(float_graph: Path, quant_graph: Path, feed: dict) -> dict:
+    """How often the quantized drafter graph drafts the float graph's tokens, on one batched feed.
+
+    Args:
+        float_graph / quant_graph: the two drafter graphs (same io, except that the quantized one may lack
+            ``lm_head_weight``).
+        feed: a feed of the float graph whose first output is ``logits [batch, slots, vocab]`` f32.
+    Returns:
+        ``{"slot_top1_agreement": [per slot], "rows": batch, "max_abs_diff_logits": float,
+        "max_abs_logit": float}``.
+    """
+    import onnxruntime as ort
+
+    out = {}
+    for name, path in (("float", float_graph), ("quant", quant_graph)):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        names = {i.name for i in sess.get_inputs()}
+        out[name] = sess.run([sess.get_outputs()[0].name], {k: v for k, v in feed.items() if k in names})[0]
+    a, b = out["float"], out["quant"]
+    return {"slot_top1_agreement": [round(float(x), 4) for x in (a.argmax(-1) == b.argmax(-1)).mean(0)],
+            "rows": int(a.shape[0]), "max_abs_diff_logits": float(np.abs(a - b).max()),
+            "max_abs_logit": float(np.abs(a).max())}
