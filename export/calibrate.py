@@ -23,7 +23,7 @@ on real long documents (offline; never the evaluation documents of ``scripts/eva
 
 Proxy acceptance (teacher-forced on the real text, not a generation run): DFlash, 1 + the leading slots whose
 drafted token equals the target's greedy prediction at that position; causal families, slot-1 agreement (the
-drafter's next-token prediction against the target's) only. Real MAL vs context: ``scripts/bench_long_context.py``.
+drafter's next-token prediction against the target's) only. Real MAL vs context: ``scripts/bench_table1.py``.
 """
 from __future__ import annotations
 

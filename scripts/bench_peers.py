@@ -191,7 +191,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
 
     from runtime.engine import SpecEngine
     from runtime.models.target import resolve_target
-    from scripts.bench_long_context import _prompts
+    from scripts.corpus import document_prompts as _prompts
     from scripts.bench_speed import run_ort
     from scripts.corpus import chat_prompts as make_chat
 

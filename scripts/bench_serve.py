@@ -38,7 +38,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
 
 def prompts_for(tok, context: int, chat: int) -> list[tuple[str, list[int]]]:
     """Held-out prompts as token ids: prose and code documents at ``context`` tokens, and chat prompts."""
-    from scripts.bench_long_context import _prompts
+    from scripts.corpus import document_prompts as _prompts
     from scripts.corpus import chat_prompts
 
     out = [(f"{'prose' if name.startswith(('hamlet', 'othello', 'macbeth')) else 'code'}/{name}", ids)

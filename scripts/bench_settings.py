@@ -275,7 +275,7 @@ def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: in
          out: Path) -> None:
     """Time ONNX Runtime thread / spinning settings and prefill chunk sizes on an engines folder."""
     from runtime.manifest import load_manifest
-    from scripts.bench_long_context import _prompts
+    from scripts.corpus import document_prompts as _prompts
     from transformers import AutoTokenizer
 
     manifest = load_manifest(engine_dir)

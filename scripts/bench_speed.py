@@ -306,7 +306,7 @@ def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token
     from transformers import AutoModelForCausalLM
 
     from runtime.engine import SpecEngine
-    from scripts.bench_long_context import _prompts
+    from scripts.corpus import document_prompts as _prompts
 
     ctxs = sorted({int(c) for c in contexts.split(",")})
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]

@@ -92,6 +92,30 @@ def chat_messages(split: str, n: int | None = None, seed: int = 0) -> list[str]:
     return msgs if n is None else msgs[:n]
 
 
+def document_prompts(tok, contexts: list[int], end_token: int, names: list[str] | None = None
+                     ) -> dict[str, list[int]]:
+    """``{"<doc>@<C>": ids}``: for each held-out document and context C, the C tokens ending at token
+    ``end_token`` of the document (every C continues from the same point). ``tok.encode(text) -> list[int]``.
+
+    Raises:
+        SystemExit: an unknown document name, or a document shorter than the longest context before end_token.
+    """
+    docs = {k: v for k, v in {**plays("heldout"), **stdlib_modules("heldout")}.items() if not k.endswith("_gut_f")}
+    if names:
+        unknown = sorted(set(names) - set(docs))
+        if unknown:
+            raise SystemExit(f"unknown held-out documents {unknown}; choose from {sorted(docs)}")
+        docs = {k: docs[k] for k in names}
+    prompts = {}
+    for name, text in docs.items():
+        ids = tok.encode(text)[:end_token]
+        if len(ids) < max(contexts):
+            raise SystemExit(f"{name} has {len(ids)} tokens before --end-token, fewer than context {max(contexts)}")
+        for c in contexts:
+            prompts[f"{name}@{c}"] = ids[-c:]
+    return prompts
+
+
 def chat_prompts(split: str, tok, n: int | None = None, seed: int = 0) -> list[list[int]]:
     """Token ids of chat-template prompts (generation prompt appended) for :func:`chat_messages`."""
     return [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True,
