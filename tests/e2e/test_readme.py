@@ -4,8 +4,9 @@ Each backticked command of README's "One command per capability" table and the s
 - ``sharpdraft-export``, ``runtime.generate``, ``runtime.triton_repo``, ``sharpdraft-calibrate`` and the server with
   its curl request run for real, on the tiny test pair written to disk (``--checkpoint`` / ``--target`` point at it;
   folders named in the command are moved under a temp dir);
-- the scripts that need the real pair for minutes (``eval_mal``, ``bench_peers``, ``distill``, ``train_dflash``) are
-  run with ``--help`` appended, which makes click check every option the README names;
+- the scripts that need the real pair for minutes (``eval_mal``, ``bench_peers``, ``bench_serve``, ``bench_table1``,
+  ``distill``, ``train_dflash``) are run with ``--help`` appended, which makes click check every option the README
+  names;
 - the TensorRT-LLM example needs a GPU and TensorRT-LLM: only its argument parser is checked.
 """
 import json
@@ -25,7 +26,7 @@ from tests.conftest import ROOT
 README = (ROOT / "README.md").read_text()
 TINY = ["--target-precision", "fp32", "--ref-keys", "64"]  # the tiny pair's validation stays small at ref 64
 HELP_ONLY = ("scripts/eval_mal.py", "scripts/bench_peers.py", "scripts/distill.py", "scripts/train_dflash.py",
-             "scripts/bench_serve.py")
+             "scripts/bench_serve.py", "scripts/bench_table1.py")
 
 
 def table_commands() -> list[str]:
