@@ -43,7 +43,7 @@ class DrafterQuantError(RuntimeError):
 
 
 def quantize_drafter_graph(src: Path, dst: Path, lm_head_spec: dict | None, target_onnx: Path | None,
-                           head_rows: np.ndarray | None) -> dict:
+                           head_rows: np.ndarray | None, layer_bits: int = LAYER_BITS) -> dict:
     """Write the int8 form of the drafter graph ``src`` to ``dst`` (external data in ``dst.name + '.data'``).
 
     Args:
@@ -55,6 +55,7 @@ def quantize_drafter_graph(src: Path, dst: Path, lm_head_spec: dict | None, targ
         target_onnx: the target graph holding that spec's tensors.
         head_rows: int64 ``[draft_vocab]`` target ids whose LM-head rows the graph scores (the draft vocabulary, in
             the runtime's order); None = every row.
+        layer_bits: 8 (the export's choice) or 4 (kept for the A/B in scripts/bench_settings.py).
     Returns:
         the graph entry's ``quantization`` record: ``{"method", "bits", "block_size", "accuracy_level",
         "quantized_matmuls", "lm_head"}`` with ``lm_head`` ``{"source": "target", "bits", "rows"}`` or None.
@@ -68,7 +69,7 @@ def quantize_drafter_graph(src: Path, dst: Path, lm_head_spec: dict | None, targ
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(src))
     q = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(
-        block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=ACCURACY_LEVEL, bits=LAYER_BITS))
+        block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=ACCURACY_LEVEL, bits=layer_bits))
     q.process()
     model = q.model.model
     n_q = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
@@ -84,7 +85,7 @@ def quantize_drafter_graph(src: Path, dst: Path, lm_head_spec: dict | None, targ
         old.unlink(missing_ok=True)
     onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
               location=dst.name + ".data", size_threshold=1024)
-    return {"method": "MatMulNBits (onnxruntime.quantization.MatMulNBitsQuantizer)", "bits": LAYER_BITS,
+    return {"method": "MatMulNBits (onnxruntime.quantization.MatMulNBitsQuantizer)", "bits": layer_bits,
             "block_size": BLOCK_SIZE, "accuracy_level": ACCURACY_LEVEL, "quantized_matmuls": n_q, "lm_head": head}
 
 

@@ -38,17 +38,26 @@ from runtime.shared_tables import load_shared_table
 DEFAULT_PREFILL_CHUNK = 512
 
 
-def session_options(threads: int | None = None):
+def session_options(threads: int | None = None, role: str | None = None):
+    """ONNX Runtime session options of one graph.
+
+    Threads: ``$SHARPDRAFT_<ROLE>_THREADS`` (role "target" / "drafter"), else ``threads``, else
+    ``$SHARPDRAFT_THREADS``, else the CPU count. Spinning of the intra-op pool after a run:
+    ``$SHARPDRAFT_<ROLE>_SPIN``, else ``$SHARPDRAFT_ORT_SPIN``, else off.
+    """
     import onnxruntime as ort
 
+    env = os.environ.get
+    tag = f"SHARPDRAFT_{role.upper()}_" if role else None
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads or int(os.environ.get("SHARPDRAFT_THREADS", 0)) or (os.cpu_count() or 1)
+    so.intra_op_num_threads = (int(env(tag + "THREADS", 0)) if tag else 0) or threads or int(
+        env("SHARPDRAFT_THREADS", 0)) or (os.cpu_count() or 1)
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     # Target and drafter sessions alternate on the same cores: a pool left spinning after its run steals the
     # cores from the next session's threads (measured: in-loop verify 88 ms vs 54 ms alone at 2 cores).
-    spin = os.environ.get("SHARPDRAFT_ORT_SPIN", "0")
+    spin = (env(tag + "SPIN") if tag else None) or env("SHARPDRAFT_ORT_SPIN", "0")
     so.add_session_config_entry("session.intra_op.allow_spinning", spin)
     return so
 
@@ -68,11 +77,13 @@ def providers(device: str = "auto") -> list[str]:
 class _Graph:
     """One ONNX Runtime session of an engines/ folder."""
 
+    role = "drafter"  # session_options' per-role settings
+
     def __init__(self, engine_dir: Path, graph: dict[str, Any], dims: tuple[int, int, int], device: str,
                  threads: int | None):
         import onnxruntime as ort
 
-        self.session = ort.InferenceSession(str(engine_dir / graph["file"]), session_options(threads),
+        self.session = ort.InferenceSession(str(engine_dir / graph["file"]), session_options(threads, self.role),
                                             providers=providers(device))
         self.num_layers, self.kv_heads, self.head_dim = dims
         self.kv_names = [n for n in graph["inputs"] if n.startswith("past_")]
@@ -124,6 +135,8 @@ class _Graph:
 
 class OrtTarget(_Graph):
     """Target graph: ``forward`` runs a ragged batch of rows and appends each row's real tokens to its cache."""
+
+    role = "target"
 
     def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
         t = manifest["target"]
@@ -533,7 +546,7 @@ class OrtEagle3Drafter(_Graph):
         hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         super().__init__(engine_dir, graph, (1, cfg["num_key_value_heads"], hd), device, threads)
         self.fc = ort.InferenceSession(str(engine_dir / manifest["graphs"]["drafter_fc"]["file"]),
-                                       session_options(threads), providers=providers(device))
+                                       session_options(threads, self.role), providers=providers(device))
         self.num_draft_tokens = int(d["num_draft_tokens"])
         # the head's own positions where its config says, else the target's (it drafts at the target's positions)
         self.max_positions = int(cfg.get("max_position_embeddings") or manifest["target"]["max_position_embeddings"])

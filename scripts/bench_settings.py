@@ -8,9 +8,10 @@
    ``--target-kv-io concat --drafter-kv-io concat``): decode-step and verify-call times of both target graphs,
    and DFlash draft-call times (2 new context rows) of both drafter graphs, at each ``--kv-contexts`` length,
    interleaved, split into time inside ONNX Runtime and outside it.
-4. int8 drafter (``--int8-drafter``): the drafter graph with int8 MatMul weights (onnxruntime.quantization's
-   dynamic quantization) against the fp32 graph: draft-call time and how often both propose the same tokens, on
-   the target's real features of the prompt (the target stays fp32, so verification stays exact).
+4. int8 drafter (``--int8-drafter``, on a folder exported with ``--drafter-precision fp32``): the drafter graph with
+   quantized MatMul weights (``--drafter-quant``) against the fp32 graph: draft-call time and how often both
+   propose the same tokens, on the target's real features of the prompt (verification is untouched, so exact).
+   The export's own int8 graph (export/drafter_quant.py) also moves the LM head into the graph.
 
   python scripts/bench_settings.py --engine engines --context 1024 --out runs/bench/settings
 
@@ -79,26 +80,17 @@ DRAFTER_QUANT = ("dynamic-int8", "nbits8", "nbits4")
 
 def quantize_drafter_graph(src: Path, dst: Path, method: str) -> None:
     """Quantize a drafter graph's constant MatMul weights: ``dynamic-int8`` (``quantize_dynamic``, int8 per tensor)
-    or ``nbits8`` / ``nbits4`` (``MatMulNBitsQuantizer``: weight-only 8 / 4-bit, block 32, symmetric, int8
-    activations, as the builder's target). Weights fed as graph inputs (the borrowed LM head) stay float; the beta
-    nodes are untouched (they multiply the query, not a weight)."""
+    or ``nbits8`` / ``nbits4`` (export/drafter_quant.py's MatMulNBits pass, layers only: the borrowed LM head stays a
+    float runtime input, as before the export adopted int8). ``src`` must be an fp32 drafter graph
+    (``sharpdraft-export --drafter-precision fp32``); the beta nodes are untouched (they multiply the query)."""
     if method == "dynamic-int8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
         return
-    import logging
+    from export.drafter_quant import quantize_drafter_graph as nbits
 
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
-
-    bits = {"nbits8": 8, "nbits4": 4}[method]
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=DefaultWeightOnlyQuantConfig(
-        block_size=32, is_symmetric=True, accuracy_level=4, bits=bits))
-    q.process()
-    q.model.save_model_to_file(str(dst), use_external_data_format=True)
+    nbits(src, dst, None, None, None, layer_bits={"nbits8": 8, "nbits4": 4}[method])
 
 
 def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], positions: int, rounds: int,
