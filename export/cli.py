@@ -112,6 +112,10 @@ def _validation_line(validation: dict) -> str:
     pts = validation["drafter"]["points"]
     drafter = "drafter max |logit diff| vs torch at N = " + ", ".join(
         f"{_keys(p['num_keys'])}: {p['max_abs_diff_logits']:.2g}" for p in pts)
+    q = validation.get("drafter_int8")
+    if q:  # the int8 drafter graph (export/drafter_quant.py) against the validated fp32 one
+        drafter += (f"; int8 drafter graph drafts the fp32 graph's first token in {q['slot_top1_agreement'][0]:.0%} "
+                    f"of {q['rows']} real-text blocks")
     return f"validation: {target}; {drafter}"
 
 
