@@ -78,7 +78,8 @@ class ExportConfig:
             raise ExportError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
         if self.drafter_precision is not None and self.drafter_precision not in self.spec.drafter_precisions:
             raise ExportError(f"--drafter-precision {self.drafter_precision}: {self.family.value} drafters export in "
-                              f"{' or '.join(self.spec.drafter_precisions)}")
+                              f"{' or '.join(self.spec.drafter_precisions)} only; drop the option or pass "
+                              f"{self.spec.drafter_precisions[0]}")
         if self.fused_attention and not self.spec.fused_attention:
             raise ExportError(f"--fused-attention supports "
                               f"{', '.join(f.value for f in Family if get_family(f).fused_attention)} drafters "

@@ -27,7 +27,9 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
               help="torch: rebuild the pair from the manifest's sources in PyTorch (drafter on the fused op)")
 @click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(min=0),
               help="also run a sampled speculative generation at this temperature (0: skip)")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="nucleus of the sampled run (the tail below it is cut, as chat front-ends do: at 1.0 a 135M "
+                   "model's 1e-6 tail tokens are drawn now and then and derail the text)")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=-1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="also write the figures as JSON")
@@ -76,9 +78,12 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     click.echo(f"--- prompt ({len(ids)} tokens) ---\n{prompt}\n--- completion ({len(spec.token_ids)} tokens, "
                f"finish_reason={spec.finish_reason}) ---\n{text}\n---")
     qs = engine.manifest["query_scale"]
-    click.echo(f"backend: {backend}; drafter: {engine.manifest['drafter']['family']} block "
-               f"{engine.drafter.block_size}, query scale "
-               f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']})")
+    m = engine.manifest
+    drafter_precision = m["graphs"]["drafter"].get("precision") or "fp32"
+    click.echo(f"backend: {backend}; drafter: {m['drafter']['family']} ({drafter_precision} graph), "
+               f"{engine.default_draft_tokens} of {m['drafter']['num_draft_tokens']} draft tokens verified per "
+               f"round, query scale {'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, from the "
+               f"{qs['source']})")
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "
                f"draft position: {[round(a, 2) for a in s.acceptance_per_position]}")
     click.echo(f"speculative: {s.tokens_per_s:.1f} tokens/s (draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s)")
@@ -87,7 +92,9 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     if plain is not None:
         click.echo(f"target-only with 1-token steps (as ONNX Runtime GenAI decodes; rounds differently, "
                    f"docs/quantized-target.md): {plain.stats.tokens_per_s:.1f} tokens/s")
-    click.echo(f"speedup over target-only: {speedup:.2f}x")
+    click.echo(f"speedup over target-only: {speedup:.2f}x" + (
+        f" (over its 1-token steps: {s.tokens_per_s / plain.stats.tokens_per_s:.2f}x)"
+        if plain is not None and plain.stats.tokens_per_s else ""))
     if adapter is not None:
         click.echo(f"online adaptation: {json.dumps(adapter.stats())}")
     if s.rounds >= 4 and s.mean_accepted_length < 1.05:
