@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from export.drafter_quant import DRAFTER_PRECISIONS
 from export.pipeline import DEFAULT_TARGET_PRECISION, EXPORT_LOG, FAMILIES, ExportConfig, ExportError, run_export
 from export.rewrite import QueryScaleRewriteError
 
@@ -49,7 +50,7 @@ from export.rewrite import QueryScaleRewriteError
                    "(weight-only MatMulNBits, built by ONNX Runtime GenAI's model builder; see README)")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="int4/int8: MatMulNBits activation precision (4 = int8 activations, the default; 1 = fp32)")
-@click.option("--drafter-precision", type=click.Choice(["fp32", "int8"]), default=None,
+@click.option("--drafter-precision", type=click.Choice(DRAFTER_PRECISIONS), default=None,
               help="drafter graph weights: int8 (MatMulNBits; with a quantized target its LM head is the target's "
                    "own int4 rows) or fp32; default int8 for DFlash with an int4/int8 target, else fp32")
 @click.option("-v", "--verbose", is_flag=True,

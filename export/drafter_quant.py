@@ -149,13 +149,11 @@ def proposal_agreement(float_graph: Path, quant_graph: Path, feed: dict) -> dict
         ``{"slot_top1_agreement": [per slot], "rows": batch, "max_abs_diff_logits": float,
         "max_abs_logit": float}``.
     """
-    import onnxruntime as ort
+    from export.validate import _session
 
     out = {}
     for name, path in (("float", float_graph), ("quant", quant_graph)):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        sess = _session(path)
         names = {i.name for i in sess.get_inputs()}
         out[name] = sess.run([sess.get_outputs()[0].name], {k: v for k, v in feed.items() if k in names})[0]
     a, b = out["float"], out["quant"]

@@ -36,18 +36,12 @@ sys.path.insert(0, str(ROOT))
 def _pair(engine_dir: Path, manifest: dict, threads: int, spin: str):
     from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
 
+    from unittest import mock
+
     keys = {f"SHARPDRAFT_{role}_{what}": value for role in ("TARGET", "DRAFTER")
             for what, value in (("SPIN", spin), ("THREADS", str(threads)))}  # both sessions alike
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    try:
+    with mock.patch.dict(os.environ, keys):
         return OrtTarget(engine_dir, manifest, "cpu", threads), OrtDFlashDrafter(engine_dir, manifest, "cpu", threads)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def time_threads(engine_dir: Path, manifest: dict, ids: list[int], settings: list[tuple[int, str]], k: int,

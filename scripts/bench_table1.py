@@ -57,11 +57,11 @@ def chat_prompts(tokenizer, contexts: list[int], end_token: int, n: int) -> dict
     from scripts.corpus import plays, stdlib_modules
 
     docs = list({**plays("heldout"), **stdlib_modules("heldout")}.items())[:n]
+    frame = len(_chat(tokenizer, CHAT_TASK))  # template tokens around the passage
     out = {}
     for name, text in docs:
         ids = tokenizer.encode(text, add_special_tokens=False)[:end_token]
         for c in contexts:
-            frame = len(_chat(tokenizer, CHAT_TASK))
             passage = tokenizer.decode(ids[-max(c - frame, 16):])
             out[f"chat:{name}@{c}"] = _chat(tokenizer, passage + CHAT_TASK)
     return out
