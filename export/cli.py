@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 
 from export.drafter_quant import DRAFTER_PRECISIONS
-from export.pipeline import DEFAULT_TARGET_PRECISION, EXPORT_LOG, FAMILIES, ExportConfig, ExportError, run_export
+from export.genai_target import CLI_PRECISIONS
+from export.pipeline import DEFAULT_TARGET_PRECISION, DTYPES, EXPORT_LOG, FAMILIES, ExportConfig, ExportError, run_export
 from export.rewrite import QueryScaleRewriteError
 
 
@@ -44,20 +45,23 @@ from export.rewrite import QueryScaleRewriteError
                    "where supported")
 @click.option("--drafter-kv-io", type=click.Choice(["static", "concat"]), default="static", show_default=True,
               help="DFlash drafter graph's KV interface (as --target-kv-io; PARD / EAGLE-3 drafters are concat)")
-@click.option("--target-precision", type=click.Choice(["fp32", "int8", "int4"]), default=DEFAULT_TARGET_PRECISION,
-              show_default=True,
-              help="target graph precision: fp32 (sharpdraft's own graph, equal to transformers) or int4 / int8 "
-                   "(weight-only MatMulNBits, built by ONNX Runtime GenAI's model builder; see README)")
+@click.option("--target-precision", type=click.Choice(CLI_PRECISIONS), default=None,
+              help=f"target graph precision (default {DEFAULT_TARGET_PRECISION}): fp32 (sharpdraft's own graph, equal "
+                   "to transformers), int4 / int8 (weight-only MatMulNBits) or fp16, built by ONNX Runtime GenAI's "
+                   "model builder (see README); bf16 is refused with the reason")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="int4/int8: MatMulNBits activation precision (4 = int8 activations, the default; 1 = fp32)")
 @click.option("--drafter-precision", type=click.Choice(DRAFTER_PRECISIONS), default=None,
               help="drafter graph weights: int8 (MatMulNBits; with a quantized target its LM head is the target's "
-                   "own int4 rows) or fp32; default int8 for DFlash with an int4/int8 target, else fp32")
+                   "own int4 rows), fp16 or fp32; default for DFlash: int8 with an int4/int8 target, fp16 with an "
+                   "fp16 one, else fp32")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="both graphs in one float precision (instead of --target-precision / --drafter-precision)")
 @click.option("-v", "--verbose", is_flag=True,
               help="show the exporters' and optimizers' own output on the console too (default: in OUT/export.log)")
 def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, fused_attention, num_draft_tokens,
          full_vocab, verify_draft_tokens, target_kv_io, drafter_kv_io, target_precision, accuracy_level,
-         drafter_precision, verbose):
+         drafter_precision, dtype, verbose):
     """Export a drafter + target pair to a validated engines/ folder for the sharpdraft runtime."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("sharpdraft.export").setLevel(logging.INFO)
@@ -75,7 +79,7 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                            full_vocab=full_vocab, verify_draft_tokens=verify_draft_tokens,
                            target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io,
                            target_precision=target_precision, accuracy_level=accuracy_level,
-                           drafter_precision=drafter_precision)
+                           drafter_precision=drafter_precision, dtype=dtype)
         with quiet:
             manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
@@ -105,18 +109,20 @@ def _validation_line(validation: dict) -> str:
     """One labelled line: what each graph's validation measured (export/validate.py; docs/export.md)."""
     t = validation["target"]
     if "top1_agreement_fp32" in t:  # quantized builder graph: compared with the fp32 model on real text
-        target = (f"target {t['precision']} vs fp32 top-1 agreement {t['top1_agreement_fp32']:.2f} on real text "
-                  f"(0.6-0.7 is usual for a 135M model at int4; the int4 graph is the model served), cached vs "
-                  f"full max |diff| {t['max_abs_diff_cached_vs_full']:.2g}")
+        usual = " (0.6-0.7 is usual for a 135M model at int4" if t["precision"] == "int4" else " ("
+        target = (f"target {t['precision']} vs fp32 top-1 agreement {t['top1_agreement_fp32']:.2f} on real text"
+                  f"{usual}; the {t['precision']} graph is the model served), cached vs full max |diff| "
+                  f"{t['max_abs_diff_cached_vs_full']:.2g}")
     else:
         target = f"target max |logit diff| vs torch {t['max_abs_diff_logits']:.2g}"
     pts = validation["drafter"]["points"]
     drafter = "drafter max |logit diff| vs torch at N = " + ", ".join(
         f"{_keys(p['num_keys'])}: {p['max_abs_diff_logits']:.2g}" for p in pts)
-    q = validation.get("drafter_int8")
-    if q:  # the int8 drafter graph (export/drafter_quant.py) against the validated fp32 one
-        drafter += (f"; int8 drafter graph drafts the fp32 graph's first token in {q['slot_top1_agreement'][0]:.0%} "
-                    f"of {q['rows']} real-text blocks")
+    for precision in ("int8", "fp16"):
+        q = validation.get(f"drafter_{precision}")
+        if q:  # the lower-precision drafter graph (export/drafter_quant.py) against the validated fp32 one
+            drafter += (f"; {precision} drafter graph drafts the fp32 graph's first token in "
+                        f"{q['slot_top1_agreement'][0]:.0%} of {q['rows']} real-text blocks")
     return f"validation: {target}; {drafter}"
 
 

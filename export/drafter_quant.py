@@ -1,5 +1,5 @@
-"""Quantized drafter graphs (``--drafter-precision int8``): weight-only ``MatMulNBits`` layers and the target's own
-quantized LM-head rows.
+"""Lower-precision drafter graphs: ``--drafter-precision int8`` (weight-only ``MatMulNBits`` layers and the target's
+own quantized LM-head rows) and ``fp16`` (:func:`half_drafter_graph`).
 
 Why: on a CPU a drafter call is memory-bound. The demo DFlash drafter reads 32 MB of fp32 layer weights and, for
 its LM head, 19 MB of float rows (the target's tied table over the 8,192-id draft vocabulary, fed at run time and
@@ -29,7 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-DRAFTER_PRECISIONS = ("fp32", "int8")
+DRAFTER_PRECISIONS = ("fp32", "fp16", "int8")
+# fp16: kept in float32 (their inputs cast up, outputs cast down), as the issue and peers do for DFlash: the RMS norms'
+# square-and-mean (x^2 of a residual stream overflows float16's 65504), DFlash's ``fc`` (a sum over every tapped
+# target layer) and the query-scale subgraph (log of the key count, a per-row scalar)
+HALF_BLOCKED_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
+QUERY_SCALE_PREFIX = "sharpdraft/"
 LAYER_BITS = 8
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations: the fast CPU path of MatMulNBits
@@ -87,6 +92,77 @@ def quantize_drafter_graph(src: Path, dst: Path, lm_head_spec: dict | None, targ
               location=dst.name + ".data", size_threshold=1024)
     return {"method": "MatMulNBits (onnxruntime.quantization.MatMulNBitsQuantizer)", "bits": layer_bits,
             "block_size": BLOCK_SIZE, "accuracy_level": ACCURACY_LEVEL, "quantized_matmuls": n_q, "lm_head": head}
+
+
+def half_drafter_graph(src: Path, dst: Path) -> dict:
+    """Write the float16 form of the drafter graph ``src`` to ``dst`` (external data in ``dst.name + '.data'``).
+
+    ONNX Runtime's own converter (``onnxruntime.transformers.float16.convert_float_to_float16``) with
+    ``keep_io_types``: inputs and outputs stay float32 (the runtime's feeds, the K/V buffers and the LM-head rows
+    it passes are unchanged; casts at the graph's edges), weights and the attention/MLP math become float16, and the
+    nodes of :data:`HALF_BLOCKED_OPS`, DFlash's ``fc`` (the MatMul on ``target_hidden``) and the query-scale subgraph
+    stay float32.
+
+    Returns:
+        the graph entry's ``quantization`` record: ``{"method", "dtype", "kept_float32": {ops, nodes}}``.
+    Raises:
+        DrafterQuantError: the graph has no MatMul with a stored weight (nothing to convert).
+    """
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = onnx.load(str(src))
+    inits = {i.name for i in model.graph.initializer}
+    if not any(n.op_type == "MatMul" and n.input[1] in inits for n in model.graph.node):
+        raise DrafterQuantError(f"{src}: no MatMul with a stored weight; export with --drafter-precision fp32")
+    keep = [n.name for n in model.graph.node if n.name.startswith(QUERY_SCALE_PREFIX)
+            or (n.op_type == "MatMul" and "target_hidden" in n.input)]
+    half = convert_float_to_float16(model, keep_io_types=True, op_block_list=list(HALF_BLOCKED_OPS),
+                                    node_block_list=keep, disable_shape_infer=True)
+    _drop_round_trips(half)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for old in (dst, dst.with_name(dst.name + ".data")):
+        old.unlink(missing_ok=True)
+    onnx.save(half, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=dst.name + ".data", size_threshold=1024)
+    return {"method": "float16 (onnxruntime.transformers.float16, keep_io_types)", "dtype": "float16",
+            "kept_float32": {"ops": list(HALF_BLOCKED_OPS), "nodes": len(keep)}}
+
+
+def _drop_round_trips(model) -> int:
+    """Remove float32 -> float16 -> float32 round trips between two float32 nodes (in place); returns how many.
+
+    The converter casts every blocked node's output down and the next blocked node's input up again, so a chain of
+    blocked nodes (an RMS norm's ``Pow -> ReduceMean -> Add -> Sqrt``) would still hold ``x^2`` in float16, where it
+    overflows; here a ``Cast(to=float16)`` read only by ``Cast(to=float32)`` nodes is bypassed.
+    """
+    from onnx import TensorProto
+
+    def cast_to(n):
+        return next((a.i for a in n.attribute if a.name == "to"), None) if n.op_type == "Cast" else None
+
+    users: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    graph_outputs = {o.name for o in model.graph.output}
+    dropped = []
+    for down in model.graph.node:
+        ups = users.get(down.output[0], []) if cast_to(down) == TensorProto.FLOAT16 else []
+        if (not ups or down.output[0] in graph_outputs or any(cast_to(u) != TensorProto.FLOAT for u in ups)
+                or any(u.output[0] in graph_outputs for u in ups)):
+            continue
+        for up in ups:  # readers of the up-cast read the float32 source instead
+            for reader in users.get(up.output[0], []):
+                for j, name in enumerate(reader.input):
+                    if name == up.output[0]:
+                        reader.input[j] = down.input[0]
+            dropped.append(up)
+        dropped.append(down)
+    keep = [n for n in model.graph.node if all(n is not d for d in dropped)]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    return len(dropped)
 
 
 def _bake_lm_head(model, spec: dict, target_onnx: Path, rows: np.ndarray | None) -> dict:

@@ -1,16 +1,20 @@
-"""Quantized target graphs (``--target-precision int4|int8``) written by ONNX Runtime GenAI's model builder.
+"""Builder target graphs (``--target-precision int4|int8|fp16|bf16``) written by ONNX Runtime GenAI's model builder.
 
 The builder (``python -m onnxruntime_genai.models.builder``, PyPI ``onnxruntime-genai``) writes the graph a CPU
 user of SmolLM2 would run anyway: weight-only ``MatMulNBits`` (block 32, symmetric), fused
 ``GroupQueryAttention`` with rotary inside, ``SkipSimplifiedLayerNormalization``, a quantized tied
-embedding (``GatherBlockQuantized``). sharpdraft drives that graph itself (runtime/ort_engines.py, kv_io
+embedding (``GatherBlockQuantized``). fp16 / bf16 targets are the builder's half-precision graph in its CUDA layout
+(``-e cuda``: the same fused ``GroupQueryAttention`` and shared past/present buffer, float16 / bfloat16 inputs,
+outputs and KV cache; ONNX Runtime's CPU provider runs the fp16 one), the form an ORT
+GenAI user of a GPU would build (bf16 is refused: :func:`check_runnable`). sharpdraft drives that graph itself (runtime/ort_engines.py, kv_io
 "shared"); the builder's ``genai_config.json`` is kept, so ``target/`` also loads in ``onnxruntime_genai.Model``.
 
 Graph contract (kv_io "shared"):
     inputs   input_ids [batch, q_len] int64; attention_mask [batch, total_len] int64 whose row sums are the
              rows' lengths after this call (cached + q_len; ragged rows right-padded with 0);
-             past_key_values.{i}.key / .value [batch, kv_heads, capacity, head_dim] f32
-    outputs  logits [batch, q_len, vocab] f32; aux_hidden_states [batch, q_len, len(taps) * hidden] f32 (only
+             past_key_values.{i}.key / .value [batch, kv_heads, capacity, head_dim] f32 (int4 / int8) or
+             f16 / bf16 (fp16 / bf16)
+    outputs  logits [batch, q_len, vocab] and aux_hidden_states [batch, q_len, len(taps) * hidden] (only
              when the drafter reads target features); present.{i}.key / .value bound to the *same* buffers as
              the past (past_present_share_buffer): the graph writes the q_len new positions of row b at
              [sum(mask[b]) - q_len, sum(mask[b])) in place, positions (and rotary) come from the mask sums, so
@@ -33,7 +37,17 @@ from pathlib import Path
 
 log = logging.getLogger("sharpdraft.export")
 
-PRECISIONS = ("fp32", "int8", "int4")
+from runtime.manifest import TARGET_PRECISIONS as PRECISIONS  # noqa: E402 - fp32 = export/graphs.py's own graph
+
+CLI_PRECISIONS = (*PRECISIONS, "bf16")  # bf16 is named so that it is refused with the reason (check_runnable)
+
+BUILDER_PRECISIONS = ("int4", "int8", "fp16")
+HALF_PRECISIONS = ("fp16", "bf16")  # bf16: refused (check_runnable)
+# Graphs whose 1-token step must take the block path for speculative output to equal target-only output bit for bit
+# (runtime/ort_engines.py OrtTarget.min_q): int4 / int8 at accuracy_level 4 (below), and fp16 by construction: a
+# 1-row and a multi-row float16 product may accumulate in another order (SmolLM2 at fp16 on this CPU gave equal
+# greedy ids for 4 prompts x 200 tokens either way, which is evidence, not a guarantee; docs/quantized-target.md).
+MIN_Q_LEN = {"fp16": 2}
 # MatMulNBits accuracy_level: 4 = int8 activations (the builder's CPU default, fastest), 0/1 = fp32 compute.
 DEFAULT_ACCURACY_LEVEL = 4
 BLOCK_SIZE = 32
@@ -65,22 +79,29 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
     Args:
         hf_dir: a transformers causal-LM folder (config.json + safetensors).
         out_dir: folder to write ``model.onnx`` (+ ``.data``, ``genai_config.json``) into; created.
-        precision: "int4" or "int8" (weight-only MatMulNBits, block 32, symmetric).
+        precision: "int4" or "int8" (weight-only MatMulNBits, block 32, symmetric), "fp16" or "bf16" (half
+            weights, activations and KV cache; the builder's CUDA layout, see the module docstring).
         tap_ids: sharpdraft tap ids (``hidden_states[id + 1]``); [] = no ``aux_hidden_states`` output.
-        accuracy_level: MatMulNBits activation precision (4 = int8, 1 = fp32).
+        accuracy_level: MatMulNBits activation precision (4 = int8, 1 = fp32); int4 / int8 only.
+        execution_provider: the builder's ``-e`` for int4 / int8 (half precisions always use "cuda").
     Raises:
         GenaiBuildError: onnxruntime-genai missing, the builder failed (its error line is quoted), or the
             graph lacks an expected input/output.
     """
-    if precision not in ("int4", "int8"):
-        raise GenaiBuildError(f"the model builder path writes int4 or int8 targets, not {precision!r}")
+    check_runnable(precision)
+    if precision not in BUILDER_PRECISIONS:
+        raise GenaiBuildError(f"the model builder path writes {', '.join(BUILDER_PRECISIONS)} targets, not "
+                              f"{precision!r}")
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError as e:
-        raise GenaiBuildError("--target-precision int4/int8 needs onnxruntime-genai (`pip install "
+        raise GenaiBuildError(f"--target-precision {precision} needs onnxruntime-genai (`pip install "
                               "onnxruntime-genai`; scripts/setup.sh installs it) or use --target-precision fp32") from e
     aux = builder_taps(tap_ids, num_layers)
-    extra = [f"accuracy_level={int(accuracy_level)}"]
+    half = precision in HALF_PRECISIONS
+    if half:  # the CPU layout of a half graph is unfused attention with concatenated K/V: not the shared contract
+        execution_provider = "cuda"
+    extra = [] if half else [f"accuracy_level={int(accuracy_level)}"]
     if aux:
         extra.append("aux_hidden_state_layers=" + ",".join(map(str, aux)))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,12 +118,25 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
                               f"{hf_dir} (exit {proc.returncode}: {cause}); use --target-precision fp32 for "
                               "architectures the builder does not support")
     shutil.rmtree(cache, ignore_errors=True)
-    return graph_io(out_dir / "model.onnx", num_layers, bool(aux), precision, accuracy_level,
-                    builder_options=extra)
+    return graph_io(out_dir / "model.onnx", num_layers, bool(aux), precision, None if half else accuracy_level,
+                    builder_options=extra, execution_provider=execution_provider)
 
 
-def graph_io(path: Path, num_layers: int, taps: bool, precision: str, accuracy_level: int,
-             builder_options: list[str]) -> dict:
+def check_runnable(precision: str) -> None:
+    """Refuse a builder precision the sharpdraft runtime cannot drive (so the export could not validate it).
+
+    Raises:
+        GenaiBuildError: bf16. ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Add, Where, ...), and on
+            any provider the runtime's KV buffers are numpy arrays, which have no bfloat16 type for IOBinding.
+    """
+    if precision == "bf16":
+        raise GenaiBuildError("--target-precision bf16: sharpdraft's ONNX Runtime loop cannot run bfloat16 graphs "
+                              "(no CPU kernels; numpy KV buffers have no bfloat16), so the export could not validate "
+                              "it; use fp16 (the same graph in float16), int4 or fp32")
+
+
+def graph_io(path: Path, num_layers: int, taps: bool, precision: str, accuracy_level: int | None,
+             builder_options: list[str], execution_provider: str = "cpu") -> dict:
     """The io entry of a builder graph, checked against the kv_io "shared" contract (module docstring).
 
     Raises:
@@ -126,12 +160,13 @@ def graph_io(path: Path, num_layers: int, taps: bool, precision: str, accuracy_l
     # accuracy_level 4 quantizes activations to int8 per block: a last-bit difference between the 1-token and the
     # multi-token kernels (attention, GEMV vs GEMM) can flip an activation's rounding and then a near-tie argmax,
     # so the runtime runs every call with >= 2 query rows (measured: docs/quantized-target.md)
+    builder = {"package": f"onnxruntime-genai {onnxruntime_genai.__version__}", "execution_provider":
+               execution_provider, "extra_options": builder_options}
+    if accuracy_level is not None:
+        builder.update(block_size=BLOCK_SIZE, accuracy_level=int(accuracy_level))
     return {"inputs": want_in, "outputs": want_out, "kv_io": "shared", "precision": precision,
-            "min_q_len": 2 if int(accuracy_level) == 4 else 1,
-            "taps_output": "aux_hidden_states" if taps else None,
-            "builder": {"package": f"onnxruntime-genai {onnxruntime_genai.__version__}",
-                        "block_size": BLOCK_SIZE, "accuracy_level": int(accuracy_level),
-                        "extra_options": builder_options}}
+            "min_q_len": MIN_Q_LEN.get(precision, 2 if accuracy_level == 4 else 1),
+            "taps_output": "aux_hidden_states" if taps else None, "builder": builder}
 
 
 def find_shared_weights(target_onnx: Path) -> dict:
@@ -187,6 +222,10 @@ def find_shared_weights(target_onnx: Path) -> dict:
             embed = spec(n)
         elif n.op_type == "Gather" and n.input[1] == "input_ids" and n.input[0] in inits:
             embed = {"graph": "target", "initializer": n.input[0]}
+        elif n.op_type == "Gather" and n.input[1] == "input_ids" and n.input[0] in producers:
+            t = producers[n.input[0]]  # fp16 builder graphs tie the table as Transpose(lm_head [hidden, vocab])
+            if t.op_type == "Transpose" and t.input[0] in inits:
+                embed = {"graph": "target", "initializer": t.input[0], "transpose": True}
     node = producers.get("logits")
     if node is not None and node.op_type == "MatMulNBits":
         lm_head = spec(node)

@@ -30,6 +30,7 @@ log = logging.getLogger("sharpdraft.export")
 FAMILIES = tuple(f.value for f in Family)
 EXPORT_LOG = "export.log"  # the exporters' own output (export/cli.py), not covered by the manifest
 DEFAULT_TARGET_PRECISION = "int4"  # measured by scripts/bench_peers.py (docs/quantized-target.md)
+DTYPES = ("fp32", "fp16", "bf16")  # --dtype: both graphs in one float precision (bf16 is refused with its reason)
 __all__ = ["DEFAULT_TARGET_PRECISION", "ExportConfig", "ExportError", "run_export", "load_drafter"]
 
 
@@ -50,18 +51,25 @@ class ExportConfig:
     verify_draft_tokens: int | None = None  # runtime default of draft tokens verified per round (<= drafted)
     target_kv_io: str = "auto"  # export/graphs.py export_target: "static", "concat" or "auto"
     drafter_kv_io: str = "static"  # export/graphs.py export_drafter (DFlash): "static" or "concat"
-    target_precision: str = DEFAULT_TARGET_PRECISION  # "fp32" (export/graphs.py), "int4" / "int8" (genai_target.py)
+    # "fp32" (export/graphs.py), "int4" / "int8" / "fp16" (genai_target.py); None: --dtype, else the default
+    target_precision: str | None = None
     accuracy_level: int | None = None  # int4/int8: MatMulNBits activation precision (None: the module default)
     # "fp32" or "int8" (export/drafter_quant.py); None: int8 where the family supports it and the target is
     # quantized, else fp32
     drafter_precision: str | None = None
+    dtype: str | None = None  # "fp32" / "fp16" / "bf16": both graphs' float precision (--dtype)
 
     def __post_init__(self) -> None:
         self.family = get_family(self.family).family  # ExportError listing the families
+        self._resolve_dtype()
         if self.target_kv_io not in (KvIo.AUTO, KvIo.STATIC, KvIo.CONCAT):
             raise ExportError(f"target_kv_io must be auto, static or concat, not {self.target_kv_io!r}")
-        from export.genai_target import PRECISIONS
+        from export.genai_target import PRECISIONS, GenaiBuildError, check_runnable
 
+        try:
+            check_runnable(self.target_precision)
+        except GenaiBuildError as e:
+            raise ExportError(str(e)) from e
         if self.target_precision not in PRECISIONS:
             raise ExportError(f"--target-precision must be one of {', '.join(PRECISIONS)}, not "
                               f"{self.target_precision!r}")
@@ -90,6 +98,24 @@ class ExportConfig:
         except ValueError as e:
             raise ExportError(f"invalid query-scale option: {e}") from e
 
+    def _resolve_dtype(self) -> None:
+        """``--dtype D`` sets both graphs' precision; it cannot be combined with either precision option."""
+        if self.dtype is None:
+            self.target_precision = self.target_precision or DEFAULT_TARGET_PRECISION
+            return
+        if self.dtype not in DTYPES:
+            raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.target_precision is not None or self.drafter_precision is not None:
+            raise ExportError("--dtype sets both graphs' precision: drop --target-precision / --drafter-precision, "
+                              "or drop --dtype")
+        self.target_precision = self.dtype
+        if self.dtype != "bf16":  # bf16 is refused with its reason by the target check
+            self.drafter_precision = self.dtype if self.dtype in self.spec.drafter_precisions else None
+            if self.drafter_precision is None:
+                raise ExportError(f"--dtype {self.dtype}: {self.family.value} drafters export in "
+                                  f"{' or '.join(self.spec.drafter_precisions)} only; use --target-precision "
+                                  f"{self.dtype} alone")
+
     @property
     def spec(self) -> DrafterFamily:
         """The family object (export/families/)."""
@@ -97,11 +123,12 @@ class ExportConfig:
 
     @property
     def drafter_graph_precision(self) -> str:
-        """The drafter graph's precision: the option, else int8 for a quantized target when the family has it."""
+        """The drafter graph's precision: the option, else int8 for an int4 / int8 target and fp16 for an fp16
+        target where the family has it, else fp32."""
         if self.drafter_precision is not None:
             return self.drafter_precision
-        quantized = self.target_precision != "fp32" and "int8" in self.spec.drafter_precisions
-        return "int8" if quantized else "fp32"
+        wanted = {"int4": "int8", "int8": "int8", "fp16": "fp16"}.get(self.target_precision, "fp32")
+        return wanted if wanted in self.spec.drafter_precisions else "fp32"
 
 
 def load_drafter(family: "Family | str", ckpt: Path):
@@ -257,8 +284,8 @@ def run_export(cfg: ExportConfig) -> dict:
         if cfg.fused_attention:
             fused = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed, lm_head,
                                    validation)
-        if cfg.drafter_graph_precision == "int8":
-            validation["drafter_int8"] = _quantize_drafter(cfg, drafter, target, tok, tmp, scratch, drafter_io,
+        if cfg.drafter_graph_precision != "fp32":
+            validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(cfg, drafter, target, tok, tmp, scratch, drafter_io,
                                                            shared, embed, lm_head, draft_ids)
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
@@ -336,7 +363,12 @@ def _shared_tables(cfg: ExportConfig, target, target_onnx: Path, drafter_io: dic
         from export.genai_target import find_shared_weights as find_quantized_weights
         from runtime.shared_tables import load_shared_table
 
-        shared = find_quantized_weights(target_onnx)
+        from export.genai_target import GenaiBuildError
+
+        try:
+            shared = find_quantized_weights(target_onnx)
+        except GenaiBuildError as e:
+            raise ExportError(str(e)) from e
         shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
         tables = {name: torch.from_numpy(np.array(load_shared_table(target_onnx, spec)))
                   for name, spec in shared.items()}
@@ -350,34 +382,42 @@ def _shared_tables(cfg: ExportConfig, target, target_onnx: Path, drafter_io: dic
 
 def _quantize_drafter(cfg: ExportConfig, drafter, target, tok, tmp: Path, scratch: Path, drafter_io: dict,
                       shared: dict, embed, lm_head, draft_ids) -> dict:
-    """Replace ``drafter/model.onnx`` (validated fp32) by its int8 form (export/drafter_quant.py) and measure how
-    often it drafts the fp32 graph's tokens on real text. Updates ``drafter_io`` (precision, quantization, an LM
-    head moved into the graph) and ``shared`` in place; returns ``validation.drafter_int8``. Raises ExportError."""
-    from export.drafter_quant import (LM_HEAD_INPUT, MIN_SLOT1_AGREEMENT, DrafterQuantError, proposal_agreement,
-                                      quantize_drafter_graph)
+    """Replace ``drafter/model.onnx`` (validated fp32) by its int8 or fp16 form (export/drafter_quant.py) and measure
+    how often it drafts the fp32 graph's tokens on real text. Updates ``drafter_io`` (precision, quantization, an LM
+    head moved into the graph) and ``shared`` in place; returns ``validation.drafter_<precision>``. Raises
+    ExportError."""
+    from export.drafter_quant import (LM_HEAD_INPUT, MIN_SLOT1_AGREEMENT, DrafterQuantError, half_drafter_graph,
+                                      proposal_agreement, quantize_drafter_graph)
 
-    log.info("quantizing the drafter graph (int8 weights%s) ...",
-             ", the target's own LM-head rows" if "quantized" in shared.get(LM_HEAD_INPUT, {}) else "")
+    precision = cfg.drafter_graph_precision
+    if precision == "int8":
+        log.info("quantizing the drafter graph (int8 weights%s) ...",
+                 ", the target's own LM-head rows" if "quantized" in shared.get(LM_HEAD_INPUT, {}) else "")
+    else:
+        log.info("converting the drafter graph to %s ...", precision)
     float_dir = scratch / "drafter-fp32"
     float_dir.mkdir()
     for f in (tmp / "drafter").glob("model.onnx*"):
         shutil.move(f, float_dir / f.name)
     try:
-        info = quantize_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx",
-                                      shared.get(LM_HEAD_INPUT), tmp / "target" / "model.onnx", draft_ids)
+        if precision == "int8":
+            info = quantize_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx",
+                                          shared.get(LM_HEAD_INPUT), tmp / "target" / "model.onnx", draft_ids)
+        else:
+            info = half_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx")
     except DrafterQuantError as e:
         raise ExportError(str(e)) from e
     feed = cfg.spec.quantization_feed(drafter, target, tok, embed, lm_head, draft_ids)
     check = proposal_agreement(float_dir / "model.onnx", tmp / "drafter" / "model.onnx", feed)
     check["min_slot1_agreement"] = MIN_SLOT1_AGREEMENT
     if check["slot_top1_agreement"][0] < MIN_SLOT1_AGREEMENT:
-        raise ExportError(f"the int8 drafter graph drafts the fp32 graph's first token at "
+        raise ExportError(f"the {precision} drafter graph drafts the fp32 graph's first token at "
                           f"{check['slot_top1_agreement'][0]:.0%} of real-text positions only (< "
                           f"{MIN_SLOT1_AGREEMENT:.0%}); export with --drafter-precision fp32")
-    if info["lm_head"]:
+    if info.get("lm_head"):
         drafter_io["inputs"] = [i for i in drafter_io["inputs"] if i != LM_HEAD_INPUT]
         shared.pop(LM_HEAD_INPUT, None)
-    drafter_io.update(precision="int8", quantization=info)
+    drafter_io.update(precision=precision, quantization=info)
     return check
 
 

@@ -119,9 +119,11 @@ def validate_shared_target(model, tap_ids: list[int], path: Path, io: dict, toke
     n = ids.shape[1]
     rng = np.random.default_rng(seed)
 
+    kv_dtype = np.float16 if sess.get_inputs()[io["inputs"].index(past[0])].type == "tensor(float16)" else np.float32
+
     def buffers(batch: int, cap: int, noise: bool) -> list[np.ndarray]:
-        return [rng.standard_normal((batch, kvh, cap, hd)).astype(np.float32) if noise else
-                np.zeros((batch, kvh, cap, hd), np.float32) for _ in range(2 * n_layers)]
+        return [rng.standard_normal((batch, kvh, cap, hd)).astype(kv_dtype) if noise else
+                np.zeros((batch, kvh, cap, hd), kv_dtype) for _ in range(2 * n_layers)]
 
     def call(x, lengths, bufs):
         mask = np.zeros((x.shape[0], max(lengths)), np.int64)
@@ -146,7 +148,7 @@ def validate_shared_target(model, tap_ids: list[int], path: Path, io: dict, toke
     if taps_out:
         width = cfg.hidden_size
         for j, t in enumerate(tap_ids):
-            seg = torch.from_numpy(full_taps[0, :, j * width: (j + 1) * width])
+            seg = torch.from_numpy(full_taps[0, :, j * width: (j + 1) * width].astype(np.float32))
 
             def c(layer: int) -> float:
                 if not 0 <= layer < len(out.hidden_states):

@@ -27,7 +27,7 @@ from runtime.modes import KvIo
 
 SCHEMA_VERSION = 2  # 2: typed sections (this module), drafter.family / graph kv_io / target.precision required
 MANIFEST = "manifest.json"
-TARGET_PRECISIONS = ("fp32", "int8", "int4")
+TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 
 class EngineDirError(RuntimeError):

@@ -161,7 +161,7 @@ class OrtTarget(_Graph):
         if self.shared_kv:
             self.present_names = [n for n in graph["outputs"] if n.startswith("present")]
             self.taps_output = graph.get("taps_output")
-            self.kv_dtype = _ORT_DTYPES[self.session.get_inputs()[2].type]
+            self.kv_dtype = _ORT_DTYPES[next(i.type for i in self.session.get_inputs() if i.name == self.kv_names[0])]
         # int8-activation graphs (MatMulNBits accuracy_level 4) give a 1-token step other rounding than a block of
         # >= 2, so such graphs record min_q_len 2: every call then takes the block path, and speculative greedy
         # output equals target-only greedy output bit for bit (docs/quantized-target.md). $SHARPDRAFT_TARGET_MIN_Q
@@ -282,7 +282,7 @@ class OrtTarget(_Graph):
         return logits, taps
 
 
-_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # K/V buffers of builder graphs
 
 
 def bind_shared(session, buffers: list[np.ndarray], past_names: list[str], present_names: list[str],

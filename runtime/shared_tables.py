@@ -1,6 +1,7 @@
 """The target tables a drafter borrows (``manifest.shared_weights``): embedding and LM head, as float32 arrays.
 
-Float graphs store them as initializers in external data: they are memory-mapped, never copied. Quantized builder
+Float graphs store them as initializers in external data: fp32 tables are memory-mapped, never copied (fp16 / bf16
+ones are widened to float32 once). Quantized builder
 graphs (export/genai_target.py) store them as int4 / int8 blocks; :func:`dequantize` rebuilds the recorded node
 alone and lets ONNX Runtime's own kernels dequantize them, so the drafter is fed exactly the values the target
 computes with. Tied tables (one quantized tensor for embedding and LM head) are dequantized once per process.
@@ -34,6 +35,8 @@ def load_shared_table(target_graph: Path, spec: dict) -> np.ndarray:
             _CACHE[key] = dequantize(target_graph, spec)
         return _CACHE[key]
     w = read_initializer(target_graph, spec["initializer"])
+    if w.dtype != np.float32:  # a half-precision target's table (fp16, or bf16 stored as uint16): one f32 copy
+        w = (w.astype(np.uint32) << 16).view(np.float32) if w.dtype == np.uint16 else w.astype(np.float32)
     return np.ascontiguousarray(w.T) if spec.get("transpose") else w
 
 
