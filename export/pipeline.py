@@ -439,8 +439,8 @@ def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir:
     except TargetLoadError as e:
         raise ExportError(str(e)) from e
     level = DEFAULT_ACCURACY_LEVEL if cfg.accuracy_level is None else cfg.accuracy_level
-    log.info("building the %s target with ONNX Runtime GenAI's model builder (accuracy_level %d) ...",
-             cfg.target_precision, level)
+    log.info("building the %s target with ONNX Runtime GenAI's model builder%s ...", cfg.target_precision,
+             "" if cfg.target_precision == "fp16" else f" (accuracy_level {level})")
     try:
         io = build_target(hf_dir, out_dir, cfg.target_precision, taps, target.config.num_hidden_layers, level)
     except GenaiBuildError as e:

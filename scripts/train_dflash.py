@@ -45,6 +45,38 @@ BLOCK = 8
 TAPS = [1, 14, 27]
 
 
+def grow_drafter(d: DFlashDrafter, target, num_layers: int) -> DFlashDrafter:
+    """``d`` with layers appended up to ``num_layers``: each new layer is initialised as :func:`make_drafter`
+    would (from the target's last layer), with its attention output and MLP down projections zeroed, so its
+    residual branches add nothing and the grown drafter's logits equal ``d``'s before any step (the usual
+    zero-init of residual branches when deepening a trained network)."""
+    import copy
+
+    n = d.config.num_hidden_layers
+    cfg = copy.deepcopy(d.config)
+    cfg.num_hidden_layers = num_layers
+    if cfg.layer_windows:
+        cfg.layer_windows = list(cfg.layer_windows) + [None] * (num_layers - n)
+    grown = DFlashDrafter(cfg)
+    grown.load_state_dict(d.state_dict(), strict=False)  # the new layers' keys are the only ones missing
+    with torch.no_grad():
+        for layer in grown.layers[n:]:
+            _copy_target_layer(layer, target.model.layers[-1])
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown
+
+
+def _copy_target_layer(layer, src) -> None:
+    """A drafter layer's projections and norms from a target decoder layer (Llama has no q/k norm: those stay 1)."""
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+    layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+    layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+
+
 def make_drafter(target, num_layers: int, windows: list[int | None] | None = None) -> DFlashDrafter:
     """A new drafter initialised from the target's last layers; ``windows``: per layer a sliding window or None
     (full attention), as Qwen3.6 DFlash drafters' ``layer_types`` (None: every layer full)."""
@@ -57,17 +89,11 @@ def make_drafter(target, num_layers: int, windows: list[int | None] | None = Non
         rms_norm_eps=tc.rms_norm_eps, rope_theta=100000.0, max_position_embeddings=tc.max_position_embeddings,
         query_scale=training_profile(None, SEQ_LEN), layer_windows=list(windows or []))
     d = DFlashDrafter(cfg)
-    # Initialise each drafter layer from one of the target's last layers (Llama has no q/k norm: those stay 1).
+    # Initialise each drafter layer from one of the target's last layers.
     tl = target.model.layers
     with torch.no_grad():
         for i, layer in enumerate(d.layers):
-            src = tl[len(tl) - num_layers + i]
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-            layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
-            layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+            _copy_target_layer(layer, tl[len(tl) - num_layers + i])
         d.norm.weight.copy_(target.model.norm.weight)
         d.mask_embedding.copy_(target.model.embed_tokens.weight.mean(0))
     return d
@@ -294,7 +320,9 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
 @cli.command()
 @click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
 @click.option("--minutes", default=40.0)
-@click.option("--layers", default=2)
+@click.option("--layers", default=2, show_default=True,
+              help="new runs: drafter layers; with --init-from, more layers than the checkpoint's grow it "
+                   "(grow_drafter)")
 @click.option("--lr", default=1e-3)
 @click.option("--seqs-per-step", default=4)
 @click.option("--anchors", default=32)
@@ -349,6 +377,9 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         d = load_dflash(init_from)
         state["init_from"] = str(init_from)
         print(f"new run from the weights in {init_from}")
+        if layers > d.config.num_hidden_layers:  # grow: new last layers that start as the identity
+            d = grow_drafter(d, target, layers)
+            print(f"grown to {layers} layers (new layers: residual branches zeroed, so step 0 drafts as before)")
         if sliding_window is not None:  # adapt a full-attention drafter to sliding-window layers
             n = d.config.num_hidden_layers
             d.config.layer_windows = [sliding_window] * max(0, n - full_layers) + [None] * min(full_layers, n)

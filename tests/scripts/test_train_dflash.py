@@ -239,3 +239,29 @@ def test_resumed_run_keeps_the_checkpoint_config(tmp_path):
     res = CliRunner().invoke(cli, ["save", "--work", str(work), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["sharpdraft_verify_draft_tokens"] == 3
+
+
+def test_grown_drafter_drafts_as_before_until_trained():
+    """--layers N with --init-from: appended layers start as the identity (zeroed o_proj / down_proj)."""
+    import copy
+    from types import SimpleNamespace
+
+    from scripts.train_dflash import grow_drafter
+
+    d = _drafter()
+    # the new layers copy the target's last decoder layer; a drafter layer has the same projections and norms
+    target = SimpleNamespace(model=SimpleNamespace(layers=[copy.deepcopy(d.layers[1])]))
+    g = grow_drafter(d, target, 3).eval()
+    assert g.config.num_hidden_layers == 3 and len(g.layers) == 3 and d.config.num_hidden_layers == 2
+    torch.testing.assert_close(g.layers[2].self_attn.q_proj.weight, d.layers[1].self_attn.q_proj.weight)
+    assert not g.layers[2].self_attn.o_proj.weight.any() and not g.layers[2].mlp.down_proj.weight.any()
+    rec = _record()
+    ids, taps = rec["ids"].long()[None], rec["taps"].float()[None]
+    blk = torch.full((1, BLOCK), VOCAB)
+    blk[0, 0] = ids[0, 10]
+    pos = torch.arange(0, 10 + BLOCK)[None]
+    with torch.no_grad():
+        emb = torch.randn(VOCAB + 1, HIDDEN)
+        a, _ = d(d.embed_block(blk, emb), taps[:, :10], pos)
+        b, _ = g(g.embed_block(blk, emb), taps[:, :10], pos)
+    torch.testing.assert_close(a, b)

@@ -1,0 +1,322 @@
+"""Export at real scale: wall time and peak memory of every export phase, validation errors, a lossless loop.
+
+Two cases, each in its own process (so one case's memory never inflates the next one's peak):
+
+* ``pair``: a Qwen3 target with the real Qwen3-0.6B shape (28 layers, hidden 1024, 16 / 8 heads of 128, vocab
+  151,936, tied table; 0.6 B parameters, 2.4 GB in fp32: past the 2 GB protobuf limit, so external data) and a
+  DFlash drafter of its width in the Qwen3-8B-DFlash-b16 layout (5 layers, block 16, five taps), random weights,
+  through the whole ``sharpdraft-export`` (``run_export``) at each ``--precisions`` entry, then the speculative
+  loop on random prompts, asserted equal to target-only greedy decoding of the same graph.
+* ``drafter``: the DFlash drafter with the true Qwen3-8B-DFlash-b16 shape (SpecForge's Qwen3-8B DFlash config,
+  ``tests/fixtures/configs/specforge-qwen3-8b-dflash.json``: hidden 4096, 5 layers, intermediate 12,288; 1.05 B
+  parameters, 4.2 GB in fp32), exported, query-scale rewritten and validated against torch with the family's
+  own steps, then converted to fp16 and compared with the fp32 graph. Its target (Qwen3-8B, 16 GB in bf16) does
+  not fit this machine's export, so the drafter reads random shared tables of the target's shape (embedding
+  151,936 x 4,096) and a 32k-row LM head (a draft vocabulary of the EAGLE-3 / speculators size); no loop is run.
+
+Weights are random (no hub access): the figures are about size, not acceptance. The tokenizer is SmolLM2's (the
+target's vocabulary rows past it are padding, which the export accepts). Phases are delimited by the export's own
+progress lines; peak RSS is sampled every 50 ms. JSON out, and a table on stdout::
+
+    python scripts/bench_scale.py --work runs/scale --json-out docs/performance/bench_scale-DATE.json
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Qwen/Qwen3-0.6B config.json (the published values that set the shape; random weights here)
+QWEN3_0_6B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+              "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+              "rope_theta": 1000000, "rms_norm_eps": 1e-06, "max_position_embeddings": 40960,
+              "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+              "eos_token_id": 151645, "sliding_window": None, "use_sliding_window": False, "max_window_layers": 28,
+              "torch_dtype": "bfloat16", "initializer_range": 0.02}
+DFLASH_8B = ROOT / "tests" / "fixtures" / "configs" / "specforge-qwen3-8b-dflash.json"
+HEAD_ROWS = 32000
+
+
+class PeakRss:
+    """Samples this process's resident set (``VmRSS``) every ``period`` seconds; :meth:`phase` closes a phase."""
+
+    def __init__(self, period: float = 0.05):
+        self.period, self.peak, self.phases = period, 0, []
+        self.name, self.t0 = "start", time.perf_counter()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.period)
+
+    def phase(self, next_name: str) -> None:
+        self.peak = max(self.peak, self.rss())
+        now = time.perf_counter()
+        self.phases.append({"phase": self.name, "seconds": round(now - self.t0, 1),
+                            "peak_rss_gb": round(self.peak / 2 ** 30, 2)})
+        self.name, self.t0, self.peak = next_name, now, self.rss()
+
+    def close(self) -> list[dict]:
+        self.phase("")
+        self._stop.set()
+        return self.phases
+
+
+class _PhaseLog(logging.Handler):
+    """Each progress line of ``sharpdraft.export`` starts a phase of :class:`PeakRss`."""
+
+    def __init__(self, meter: PeakRss):
+        super().__init__(logging.INFO)
+        self.meter = meter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.endswith("..."):
+            self.meter.phase(msg.rstrip(". "))
+
+
+def _gb(path: Path) -> float:
+    return round(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2 ** 30, 2)
+
+
+def make_target(work: Path) -> Path:
+    """The random Qwen3-0.6B-shape target folder (safetensors + SmolLM2's tokenizer), written once."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from runtime.models.target import resolve_target
+
+    out = work / "qwen3-0.6b-random"
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**{k: v for k, v in QWEN3_0_6B.items() if k not in ("architectures", "torch_dtype")})
+    cfg.architectures = QWEN3_0_6B["architectures"]
+    model = Qwen3ForCausalLM(cfg)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(resolve_target(None)).save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def dflash_config(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, target_layers: int) -> dict:
+    """The Qwen3-8B-DFlash-b16 layout (SpecForge's config) at another width."""
+    from runtime.models.dflash import build_target_layer_ids
+
+    d = json.loads(DFLASH_8B.read_text())
+    d.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+             intermediate_size=inter, num_target_layers=target_layers)
+    d["dflash_config"] = {**d["dflash_config"], "target_layer_ids": build_target_layer_ids(target_layers, 5)}
+    return d
+
+
+def make_drafter(path: Path, cfg: dict) -> Path:
+    """Random DFlash weights (normal, std 0.02, norms 1) of ``cfg`` in the public layout, written once."""
+    import torch
+
+    from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash
+
+    if (path / "model.safetensors").is_file():
+        return path
+    torch.manual_seed(1)
+    model = DFlashDrafter(DFlashConfig.from_dict(cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.02)
+    tmp = path.with_name(path.name + ".tmp")
+    save_dflash(model, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def run_pair(work: Path, precision: str, prompts: int, new_tokens: int) -> dict:
+    """``run_export`` of the 0.6 B pair at ``precision`` (both graphs), then the loop; in this process."""
+    import torch
+
+    from export.pipeline import ExportConfig, run_export
+    from runtime.engine import SpecEngine
+
+    target = make_target(work)
+    drafter = make_drafter(work / "dflash-qwen3-0.6b-random", dflash_config(1024, 16, 8, 128, 3072, 28))
+    out = work / f"engines-{precision}"
+    meter = PeakRss()
+    handler = _PhaseLog(meter)
+    log = logging.getLogger("sharpdraft.export")
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    meter.phase("loading the pair")
+    args = {"dtype": precision} if precision in ("fp32", "fp16") else {"target_precision": precision}
+    t0 = time.perf_counter()
+    manifest = run_export(ExportConfig(family="dflash", out=out, checkpoint=drafter, target=str(target), **args))
+    export_s = time.perf_counter() - t0
+    meter.phase("speculative loop (lossless check)")
+    engine = SpecEngine.from_dir(out, check_invariants=True)
+    g = torch.Generator().manual_seed(0)
+    lossless, mal = [], []
+    for n in [64, 1024, 2048][:prompts]:
+        ids = torch.randint(0, 49152, (n,), generator=g).tolist()
+        spec = engine.generate(ids, new_tokens)
+        lossless.append(spec.token_ids == engine.generate_target_only(ids, new_tokens).token_ids)
+        mal.append(spec.stats.mean_accepted_length)
+    phases = meter.close()
+    log.removeHandler(handler)
+    v = manifest["validation"]
+    return {"case": "pair", "precision": precision, "export_s": round(export_s, 1), "phases": phases,
+            "peak_rss_gb": max(p["peak_rss_gb"] for p in phases),
+            "folder_gb": {"target": _gb(out / "target"), "drafter": _gb(out / "drafter")},
+            "validation": {"target": v["target"], "drafter_points": v["drafter"]["points"],
+                           **{k: v[k] for k in v if k.startswith("drafter_") and k != "drafter"}},
+            "lossless": lossless, "mal_random_weights": mal}
+
+
+def run_drafter(work: Path, precision: str) -> dict:
+    """The 1 B drafter alone: export, rewrite, validate (fp32); ``fp16`` adds the conversion and its check."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from export.drafter_quant import half_drafter_graph, proposal_agreement
+    from export.families import get_family
+    from export.rewrite import rewrite_file
+    from plugins.rule import QueryScaleProfile
+    from runtime.models.dflash import load_dflash
+
+    ck = make_drafter(work / "dflash-qwen3-8b-b16-random", json.loads(DFLASH_8B.read_text()))
+    meter = PeakRss()
+    meter.phase("loading the drafter")
+    drafter = load_dflash(ck)
+    cfg = drafter.config
+    fam = get_family("dflash")
+    profile = QueryScaleProfile.for_family("dflash")
+    out = work / f"drafter-8b-{precision}"
+    shutil.rmtree(out, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=work))
+    try:
+        meter.phase("exporting the drafter graph (torch.onnx)")
+        io, _ = fam.export_graphs(drafter, cfg.block_size - 1, scratch / "frozen.onnx", out, "static")
+        meter.phase("query-scale rewrite")
+        counts = rewrite_file(scratch / "frozen.onnx", out / "fp32" / "model.onnx", profile,
+                              row_switch_input="query_scale_enabled", **fam.rewrite_options(drafter))
+        io["inputs"] = [*io["inputs"], "query_scale_enabled"]
+        for f in scratch.glob("frozen.onnx*"):  # 4 GB that the rest does not read
+            f.unlink()
+        meter.phase("shared tables (random, the target's shape)")
+        g = torch.Generator().manual_seed(0)
+        embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
+        head = torch.randn(HEAD_ROWS, cfg.hidden_size, generator=g) * 0.02
+        meter.phase("validating against torch")
+        check = fam.validate(drafter, cfg.block_size - 1, out / "fp32" / "model.onnx", io, profile, embed, head, None)
+        result = {"case": "drafter", "precision": precision, "parameters_b": round(
+            sum(p.numel() for p in drafter.parameters()) / 1e9, 3), "rewrite": counts,
+            "validation_points": check["points"], "fp32_graph_gb": _gb(out / "fp32")}
+        if precision == "fp16":
+            meter.phase("converting to fp16")
+            half_drafter_graph(out / "fp32" / "model.onnx", out / "fp16" / "model.onnx")
+            meter.phase("fp16 vs fp32 graph")
+            rng = np.random.default_rng(0)
+            rows, ctx, past = 4, 64, 2048
+            feed = {"input_ids": np.full((rows, cfg.block_size), cfg.mask_token_id, np.int64),
+                    "target_hidden": rng.standard_normal((rows, ctx, 5 * cfg.hidden_size)).astype(np.float32),
+                    "position_ids": np.tile(np.arange(past, past + ctx + cfg.block_size), (rows, 1)),
+                    "attention_mask": np.ones((rows, past + ctx + cfg.block_size), np.int64),
+                    "embed_weight": embed.numpy(), "lm_head_weight": head.numpy(),
+                    "draft_slots": np.arange(1, cfg.block_size, dtype=np.int64),
+                    "query_scale_enabled": np.ones(rows, np.float32)}
+            feed["input_ids"][:, 0] = rng.integers(0, 49152, rows)
+            for i in range(cfg.num_hidden_layers):
+                for kind in ("key", "value"):
+                    feed[f"past_{kind}.{i}"] = rng.standard_normal(
+                        (rows, cfg.num_key_value_heads, past, cfg.head_dim)).astype(np.float32)
+            result["fp16_vs_fp32"] = proposal_agreement(out / "fp32" / "model.onnx", out / "fp16" / "model.onnx",
+                                                        feed)
+            result["fp16_graph_gb"] = _gb(out / "fp16")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result["phases"] = meter.close()
+    result["peak_rss_gb"] = max(p["peak_rss_gb"] for p in result["phases"])
+    return result
+
+
+@click.group(invoke_without_command=True)
+@click.option("--work", type=click.Path(path_type=Path), default=ROOT / "runs" / "scale", show_default=True)
+@click.option("--precisions", default="fp32,fp16,int4", show_default=True, help="pair case: graph precisions")
+@click.option("--drafter-precisions", default="fp16", show_default=True,
+              help="1 B drafter case: fp32 (export, rewrite, validation) or fp16 (the same, then the conversion)")
+@click.option("--prompts", type=click.IntRange(1, 3), default=2, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(1, 256), default=24, show_default=True)
+@click.option("--json-out", type=click.Path(path_type=Path), default=None)
+@click.pass_context
+def main(ctx, work, precisions, drafter_precisions, prompts, new_tokens, json_out):
+    """Run every case in its own process and print the table."""
+    if ctx.invoked_subcommand is not None:
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = [("pair", p) for p in precisions.split(",") if p] + [("drafter", p) for p in drafter_precisions.split(",")
+                                                                if p]
+    results = []
+    for case, precision in jobs:
+        res = work / f"result-{case}-{precision}.json"
+        cmd = [sys.executable, __file__, "one", "--work", str(work), "--case", case, "--precision", precision,
+               "--prompts", str(prompts), "--new-tokens", str(new_tokens), "--out", str(res)]
+        print(f"== {case} {precision}", flush=True)
+        r = subprocess.run(cmd)
+        if r.returncode != 0:
+            results.append({"case": case, "precision": precision, "error": f"exit {r.returncode}"})
+            continue
+        results.append(json.loads(res.read_text()))
+        print(_row(results[-1]), flush=True)
+    report = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+              "results": results}
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=1) + "\n")
+    print("\n".join(_row(r) for r in results))
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['case']:8s} {r['precision']:5s} failed ({r['error']})"
+    phases = ", ".join(f"{p['phase']} {p['seconds']}s/{p['peak_rss_gb']}GB" for p in r["phases"] if p["phase"]
+                       not in ("start", ""))
+    extra = (f"lossless {all(r['lossless'])}, folder {r['folder_gb']}" if r["case"] == "pair"
+             else f"{r['parameters_b']} B params, fp32 graph {r['fp32_graph_gb']} GB")
+    return f"{r['case']:8s} {r['precision']:5s} peak {r['peak_rss_gb']} GB; {extra}; {phases}"
+
+
+@main.command()
+@click.option("--work", type=click.Path(path_type=Path), required=True)
+@click.option("--case", type=click.Choice(["pair", "drafter"]), required=True)
+@click.option("--precision", required=True)
+@click.option("--prompts", type=int, default=2)
+@click.option("--new-tokens", type=int, default=24)
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+def one(work, case, precision, prompts, new_tokens, out):
+    """One case in this process (used by the main command)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    result = (run_pair(work, precision, prompts, new_tokens) if case == "pair" else run_drafter(work, precision))
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""scripts/bench_scale.py's pieces that do not need real-size weights: shapes, phase accounting."""
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from export.validate import DRAFTER_ATOL, DRAFTER_RTOL, drafter_bound
+from runtime.models.dflash import DFlashConfig
+from scripts.bench_scale import DFLASH_8B, QWEN3_0_6B, PeakRss, _PhaseLog, dflash_config
+
+
+def test_the_scale_shapes_are_the_published_ones():
+    import json
+
+    real = DFlashConfig.from_dict(json.loads(DFLASH_8B.read_text()))
+    h, inter, n = real.hidden_size, real.intermediate_size, real.num_hidden_layers
+    kv = real.num_key_value_heads * real.head_dim
+    layer = 2 * h * real.num_attention_heads * real.head_dim + 2 * h * kv + 3 * h * inter
+    assert 1.0e9 < n * layer + 5 * h * h < 1.1e9  # the "about 1 B parameters" of Qwen3-8B-DFlash-b16
+    small = DFlashConfig.from_dict(dflash_config(1024, 16, 8, 128, 3072, QWEN3_0_6B["num_hidden_layers"]))
+    assert small.hidden_size == QWEN3_0_6B["hidden_size"] and small.block_size == real.block_size == 16
+    assert len(small.target_layer_ids) == 5 and max(small.target_layer_ids) < QWEN3_0_6B["num_hidden_layers"] - 1
+
+
+def test_phases_follow_the_export_progress_lines():
+    meter = PeakRss(period=0.01)
+    log = logging.getLogger("sharpdraft.export.test_bench_scale")
+    log.setLevel(logging.INFO)
+    handler = _PhaseLog(meter)
+    log.addHandler(handler)
+    try:
+        log.info("exporting drafter ...")
+        blob = np.ones(64 << 20, np.uint8)  # 64 MB touched inside the phase
+        time.sleep(0.05)
+        log.info("query-scale rewrite: {...}")  # not a phase line
+        del blob
+        log.info("validating (ORT vs torch) ...")
+    finally:
+        log.removeHandler(handler)
+    phases = meter.close()
+    names = [p["phase"] for p in phases]
+    assert names == ["start", "exporting drafter", "validating (ORT vs torch)"]
+    assert phases[1]["peak_rss_gb"] >= phases[0]["peak_rss_gb"] + 0.05
+
+
+def test_the_drafter_bound_widens_with_the_key_count():
+    ref = np.array([10.0, -40.0])
+    flat = DRAFTER_ATOL + DRAFTER_RTOL * 40
+    assert drafter_bound(ref, 100) == drafter_bound(ref, 8192) == pytest.approx(flat)
+    assert drafter_bound(ref, 4 * 8192) == pytest.approx(2 * flat)
+    assert drafter_bound(ref, [100, 4 * 8192]) == pytest.approx(2 * flat)  # per-row counts: the largest
