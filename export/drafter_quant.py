@@ -100,8 +100,8 @@ def half_drafter_graph(src: Path, dst: Path) -> dict:
     ONNX Runtime's own converter (``onnxruntime.transformers.float16.convert_float_to_float16``) with
     ``keep_io_types``: inputs and outputs stay float32 (the runtime's feeds, the K/V buffers and the LM-head rows
     it passes are unchanged; casts at the graph's edges), weights and the attention/MLP math become float16, and the
-    nodes of :data:`HALF_BLOCKED_OPS`, DFlash's ``fc`` (the MatMul on ``target_hidden``) and the query-scale subgraph
-    stay float32.
+    nodes of :data:`HALF_BLOCKED_OPS`, DFlash's ``fc`` (the MatMul on ``target_hidden``), the rotary angle
+    (:func:`_rotary_angle_nodes`) and the query-scale subgraph stay float32.
 
     Returns:
         the graph entry's ``quantization`` record: ``{"method", "dtype", "kept_float32": {ops, nodes}}``.
@@ -116,7 +116,7 @@ def half_drafter_graph(src: Path, dst: Path) -> dict:
     if not any(n.op_type == "MatMul" and n.input[1] in inits for n in model.graph.node):
         raise DrafterQuantError(f"{src}: no MatMul with a stored weight; export with --drafter-precision fp32")
     keep = [n.name for n in model.graph.node if n.name.startswith(QUERY_SCALE_PREFIX)
-            or (n.op_type == "MatMul" and "target_hidden" in n.input)]
+            or (n.op_type == "MatMul" and "target_hidden" in n.input)] + _rotary_angle_nodes(model)
     half = convert_float_to_float16(model, keep_io_types=True, op_block_list=list(HALF_BLOCKED_OPS),
                                     node_block_list=keep, disable_shape_infer=True)
     _drop_round_trips(half)
@@ -127,6 +127,35 @@ def half_drafter_graph(src: Path, dst: Path) -> dict:
               location=dst.name + ".data", size_threshold=1024)
     return {"method": "float16 (onnxruntime.transformers.float16, keep_io_types)", "dtype": "float16",
             "kept_float32": {"ops": list(HALF_BLOCKED_OPS), "nodes": len(keep)}}
+
+
+def _rotary_angle_nodes(model) -> list[str]:
+    """Names of the nodes that turn ``position_ids`` into the rotary ``Cos`` / ``Sin`` (those two included).
+
+    In float16 the angle ``position * inv_freq`` is off by up to half its spacing, 0.5 rad at position 1,024 and
+    1 rad at 2,048, which scrambles RoPE; so the angle and its cos / sin stay float32 and only their values in
+    [-1, 1] are cast down (as engines keep a float16 cos / sin cache).
+    """
+    producers = {o: n for n in model.graph.node for o in n.output}
+    downstream, frontier = set(), ["position_ids"]
+    users: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    while frontier:  # forward from position_ids, not past Cos / Sin
+        for n in users.get(frontier.pop(), []):
+            if n.name not in downstream:
+                downstream.add(n.name)
+                if n.op_type not in ("Cos", "Sin"):
+                    frontier.extend(n.output)
+    upstream, stack = set(), [n for n in model.graph.node if n.op_type in ("Cos", "Sin")]
+    while stack:  # backward from Cos / Sin
+        n = stack.pop()
+        if n.name in upstream:
+            continue
+        upstream.add(n.name)
+        stack.extend(producers[i] for i in n.input if i in producers)
+    return sorted(downstream & upstream)
 
 
 def _drop_round_trips(model) -> int:
