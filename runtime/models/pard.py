@@ -149,6 +149,11 @@ def load_pard(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PardDr
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from e
     pard_token = pard_token_of(raw)
+    if raw.get("pard2") or raw.get("spd_type") == "pard2" or any(k.startswith("pard2_") for k in raw):
+        raise CheckpointError(f"{cfg_file}: a PARD2 drafter (spd_type pard2): not supported yet (missing: its "
+                              "target_proj, which adds the target's hidden states of pard2_target_layers to the "
+                              "drafter's embeddings; loaded as plain PARD it would draft without them); use a PARD v1 "
+                              "checkpoint")
     sliding = sliding_layers(raw)
     if sliding:
         raise CheckpointError(f"{cfg_file}: {len(sliding)} sliding-window layer(s) (layers {sliding[:6]}, "

@@ -88,6 +88,10 @@ def test_cached_forward_equals_full_forward(tmp_path):
     (lambda cfg, st: st.pop("model.layers.1.mlp.up_proj.weight"), "missing"),
     (lambda cfg, st: st.update({"model.extra.weight": torch.zeros(2)}), "unexpected"),
     (lambda cfg, st: st.update({"model.norm.weight": torch.zeros(H + 1)}), "shapes"),
+    # amd/PARD2-Qwen3-8B's fields (../shared/reference/configs/pard/NOTES-pard.md): never loaded as plain PARD
+    (lambda cfg, st: cfg.update({"pard2": True, "spd_type": "pard2", "pard2_scale": 0.02,
+                                 "pard2_target_layers": [-1, -8, -16, -24], "pard2_target_dim": 16384}),
+     "PARD2 drafter.*missing: its target_proj"),
 ])
 def test_bad_checkpoints_are_refused_clearly(tmp_path, mutate, match):
     cfg = _config()
