@@ -99,9 +99,14 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
                               "onnxruntime-genai`; scripts/setup.sh installs it) or use --target-precision fp32") from e
     aux = builder_taps(tap_ids, num_layers)
     half = precision in HALF_PRECISIONS
+    extra = [] if half else [f"accuracy_level={int(accuracy_level)}"]
     if half:  # the CPU layout of a half graph is unfused attention with concatenated K/V: not the shared contract
         execution_provider = "cuda"
-    extra = [] if half else [f"accuracy_level={int(accuracy_level)}"]
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            # Q/K RMS norms (Qwen3) fused into GroupQueryAttention run on CUDA / WebGPU only: unfused for CPU
+            extra.append("fuse_qk_norm_gqa=false")
     if aux:
         extra.append("aux_hidden_state_layers=" + ",".join(map(str, aux)))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -422,11 +422,20 @@ def _quantize_drafter(cfg: ExportConfig, drafter, target, tok, tmp: Path, scratc
 
 
 def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io: dict, tok) -> dict:
+    """Validation of the target graph (export/validate.py). Raises ExportError when ONNX Runtime cannot run it."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, NotImplemented, RuntimeException
+
     from export.validate import validate_shared_target, validate_target
 
-    if cfg.target_precision != "fp32":
-        return validate_shared_target(target, taps, path, io, tok)
-    return validate_target(target, taps, path, io)
+    try:
+        if cfg.target_precision != "fp32":
+            return validate_shared_target(target, taps, path, io, tok)
+        return validate_target(target, taps, path, io)
+    except (Fail, NotImplemented, RuntimeException) as e:
+        text = str(e)
+        cause = text.split("Status Message:", 1)[-1].strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise ExportError(f"ONNX Runtime cannot run the {cfg.target_precision} target graph on this machine "
+                          f"({cause[:300]}); export another --target-precision (int4 or fp32 run everywhere)") from e
 
 
 def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir: Path) -> dict:

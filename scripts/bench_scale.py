@@ -266,8 +266,9 @@ def run_drafter(work: Path, precision: str) -> dict:
 @click.option("--prompts", type=click.IntRange(1, 3), default=2, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(1, 256), default=24, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
+@click.option("--reuse", is_flag=True, help="keep the results of cases already measured under --work")
 @click.pass_context
-def main(ctx, work, precisions, drafter_precisions, prompts, new_tokens, json_out):
+def main(ctx, work, precisions, drafter_precisions, prompts, new_tokens, json_out, reuse):
     """Run every case in its own process and print the table."""
     if ctx.invoked_subcommand is not None:
         return
@@ -277,6 +278,10 @@ def main(ctx, work, precisions, drafter_precisions, prompts, new_tokens, json_ou
     results = []
     for case, precision in jobs:
         res = work / f"result-{case}-{precision}.json"
+        if reuse and res.is_file():
+            results.append(json.loads(res.read_text()))
+            continue
+        res.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "one", "--work", str(work), "--case", case, "--precision", precision,
                "--prompts", str(prompts), "--new-tokens", str(new_tokens), "--out", str(res)]
         print(f"== {case} {precision}", flush=True)

@@ -87,3 +87,21 @@ def test_dtype_options_conflict_and_bf16_is_refused_with_its_reason(tmp_path, ti
     assert r.returncode == 1 and r.stderr.startswith("sharpdraft-export: error: --target-precision bf16")
     assert "use fp16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists() and not list(tmp_path.glob(".e.*"))
+
+
+def test_a_target_graph_onnx_runtime_cannot_run_is_one_export_error(monkeypatch, tmp_path):
+    """As the fp16 Qwen3 graph with Q/K norms fused into GroupQueryAttention was on CPU (scripts/bench_scale.py)."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    import export.validate
+    from export.pipeline import _validate_target
+
+    def fail(*a, **k):
+        raise RuntimeException("Non-zero status code returned while running GroupQueryAttention node. Status Message: "
+                               "GroupQueryAttention (CPU): q_norm_weight / k_norm_weight inputs are not supported.")
+
+    monkeypatch.setattr(export.validate, "validate_shared_target", fail)
+    cfg = ExportConfig(family="dflash", out=tmp_path / "e", target_precision="fp16")
+    with pytest.raises(ExportError, match=r"cannot run the fp16 target graph on this machine \(GroupQueryAttention "
+                                          r"\(CPU\): q_norm_weight .*export another --target-precision"):
+        _validate_target(cfg, None, [], tmp_path / "model.onnx", {}, None)
