@@ -260,7 +260,9 @@ def run_drafter(work: Path, precision: str) -> dict:
 
 @click.group(invoke_without_command=True)
 @click.option("--work", type=click.Path(path_type=Path), default=ROOT / "runs" / "scale", show_default=True)
-@click.option("--precisions", default="fp32,fp16,int4", show_default=True, help="pair case: graph precisions")
+@click.option("--precisions", default="fp32,fp16", show_default=True,
+              help="pair case: graph precisions (int4 of random weights fails the export's top-1 agreement floor "
+                   "with fp32, as it should: random logits are near-ties)")
 @click.option("--drafter-precisions", default="fp16", show_default=True,
               help="1 B drafter case: fp32 (export, rewrite, validation) or fp16 (the same, then the conversion)")
 @click.option("--prompts", type=click.IntRange(1, 3), default=2, show_default=True)
