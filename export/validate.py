@@ -20,18 +20,23 @@ DRAFTER_ATOL = 2e-3
 # Softmax over up to 20 * ref_keys keys sums in a different order in ORT and torch: allow an error relative to the
 # logit scale too (measured 5e-3 on logits of magnitude ~40 at N = 10,240, i.e. ~1e-4 relative).
 DRAFTER_RTOL = 5e-4
-# ... and with the number of keys: each logit is a sum over N softmax-weighted values, whose rounding error grows like
-# sqrt(N) when ORT and torch add in another order. The bound widens as sqrt(N / 8192) past 8,192 keys (measured
-# with scripts/bench_scale.py: a Qwen3-0.6B-width drafter, hidden 1024 and 16 heads, differed by 3.65e-3 at N =
-# 40,960 against a flat bound of 3.64e-3; SmolLM2's drafter by 4.4e-3 at N = 25,580).
+# ... and with the number of keys N (a sum over N softmax-weighted values, added in another order: the bound widens as
+# sqrt(N / 8192) past 8,192 keys) and with the position, through RoPE: the rotary angle pos * inv_freq is held in fp32,
+# one ulp of it is 2^-23 * pos radians, and ORT and torch round it in their own order, so queries and keys at
+# position 40,000 rotate up to ~5e-3 rad apart; the bound adds that much of the logits' magnitude. Measured with
+# scripts/bench_scale.py (1 B-parameter drafter, hidden 4096): 1.0e-3 at N = 8,192 and 8.9e-3 at N = 40,960, the
+# growth of the rotary term; a Qwen3-0.6B-width drafter exceeded the former flat bound (3.65e-3 > 3.64e-3) there.
 DRAFTER_KEYS_AT_BASE = 8192
+ROPE_ULP = 2.0 ** -23  # relative spacing of fp32: the angle error per radian of pos * inv_freq (inv_freq <= 1)
 
 
 def drafter_bound(ref: np.ndarray, num_keys) -> float:
-    """The validation bound of a drafter graph's logits ``ref`` at ``num_keys`` visible keys (an int, or a list of
-    per-row counts: the largest is used): ``(DRAFTER_ATOL + DRAFTER_RTOL * max|ref|) * max(1, sqrt(N / 8192))``."""
+    """The validation bound of a drafter graph's logits ``ref`` at ``num_keys`` visible keys (an int, or per-row
+    counts: the largest is used; the positions are at most about as large):
+    ``DRAFTER_ATOL * s + max|ref| * (DRAFTER_RTOL * s + N * ROPE_ULP)`` with ``s = max(1, sqrt(N / 8192))``."""
     n = max(num_keys) if isinstance(num_keys, (list, tuple)) else int(num_keys)
-    return (DRAFTER_ATOL + DRAFTER_RTOL * float(np.abs(ref).max())) * max(1.0, (n / DRAFTER_KEYS_AT_BASE) ** 0.5)
+    s = max(1.0, (n / DRAFTER_KEYS_AT_BASE) ** 0.5)
+    return DRAFTER_ATOL * s + float(np.abs(ref).max()) * (DRAFTER_RTOL * s + n * ROPE_ULP)
 
 
 class ValidationError(ValueError):
@@ -288,13 +293,12 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
     out = {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points, "ragged": ragged,
            "kv_io": io.get("kv_io", "concat")}
     if static:
-        # the same form of bound as the logits (fp32 reassociation grows with the values' magnitude), plus RoPE: a
-        # rotary angle pos * inv_freq held in fp32 is off by up to one ulp of pos (2^-23 * pos radians), and ORT
-        # and torch round it in their own order, so a key at position 40,960 may rotate 5e-3 rad apart (measured
-        # with scripts/bench_scale.py: 5.7e-3 on keys of magnitude ~4.5 there)
+        # the logits' form without the sum over keys (fp32 reassociation grows with the values' magnitude), plus
+        # the rotary term (ROPE_ULP): keys at position 40,960 differed by 5.7e-3 (magnitude ~4.5) in
+        # scripts/bench_scale.py, the demo drafter's by 4.7e-3 at 40,000 and 3e-6 at 10 (values: 2e-5)
         top = 20 * profile.ref_keys
         out["max_abs_diff_new_kv"] = max(kv_diffs)
-        out["new_kv_bound"] = DRAFTER_ATOL + max(kv_scale) * (DRAFTER_RTOL + top * 2.0 ** -23)
+        out["new_kv_bound"] = DRAFTER_ATOL + max(kv_scale) * (DRAFTER_RTOL + top * ROPE_ULP)
         if out["max_abs_diff_new_kv"] > out["new_kv_bound"]:
             raise ValidationError(f"drafter graph {path}: new context K/V differ from the torch drafter's by "
                                   f"{out['max_abs_diff_new_kv']:.3g} > {out['new_kv_bound']:.3g}")

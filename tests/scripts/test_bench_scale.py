@@ -45,8 +45,10 @@ def test_phases_follow_the_export_progress_lines():
 
 
 def test_the_drafter_bound_widens_with_the_key_count():
+    from export.validate import ROPE_ULP
+
     ref = np.array([10.0, -40.0])
-    flat = DRAFTER_ATOL + DRAFTER_RTOL * 40
-    assert drafter_bound(ref, 100) == drafter_bound(ref, 8192) == pytest.approx(flat)
-    assert drafter_bound(ref, 4 * 8192) == pytest.approx(2 * flat)
-    assert drafter_bound(ref, [100, 4 * 8192]) == pytest.approx(2 * flat)  # per-row counts: the largest
+    assert drafter_bound(ref, 100) == pytest.approx(DRAFTER_ATOL + 40 * (DRAFTER_RTOL + 100 * ROPE_ULP))
+    n = 4 * 8192  # past 8,192 keys: the summation term doubles at 4x, the rotary term grows with the position
+    assert drafter_bound(ref, n) == pytest.approx(2 * DRAFTER_ATOL + 40 * (2 * DRAFTER_RTOL + n * ROPE_ULP))
+    assert drafter_bound(ref, [100, n]) == drafter_bound(ref, n)  # per-row counts: the largest
