@@ -19,7 +19,9 @@ drafter  inputs  input_ids [batch, block] int64 (bonus token, then mask ids), ta
                  past_key.{i}/past_value.{i} [batch, kv_heads, past_len, head_dim],
                  embed_weight [vocab, hidden], lm_head_weight [draft_vocab, hidden] (the target's own tensors, fed at
                  run time so the drafter graph never duplicates them: see runtime/manifest.py; the LM head's rows are
-                 dynamic, so the runtime may feed only a draft vocabulary's rows, runtime/draft_vocab.py)
+                 dynamic, so the runtime may feed only a draft vocabulary's rows, runtime/draft_vocab.py);
+                 lm_head_weight is absent when the drafter has its own LM head, stored in the graph (speculators
+                 format)
          outputs logits [batch, block - 1, draft_vocab] f32 for slots 1..B-1 (block is static: the drafter's trained
                  block size), then per layer, context rows only (block keys are never cached):
                  kv_io "static" (default): new_key.{i}/new_value.{i} [batch, kv_heads, ctx_len, head_dim], as the
@@ -205,8 +207,21 @@ class DrafterForExport(nn.Module):
                              new_kv_only=self.static)
         # the LM head only on the block slots the runtime will verify (draft_slots = 1..k): with a 49k or 8k-row
         # head it is most of a small drafter's cost, and verifying k < B - 1 tokens is the usual setting
-        logits = torch.matmul(torch.index_select(h, 1, draft_slots), lm_head_weight.transpose(0, 1))
+        head = self.drafter.lm_head.weight if self.drafter.lm_head is not None else lm_head_weight
+        logits = torch.matmul(torch.index_select(h, 1, draft_slots), head.transpose(0, 1))
         return logits, [t for pair in kv for t in pair]
+
+
+class _OwnHead(nn.Module):
+    """:class:`DrafterForExport` without the ``lm_head_weight`` argument (the drafter's own head is used)."""
+
+    def __init__(self, inner: DrafterForExport):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, target_hidden, position_ids, attention_mask, past, embed_weight, draft_slots):
+        return self.inner(input_ids, target_hidden, position_ids, attention_mask, past, embed_weight, None,
+                          draft_slots)
 
 
 def kv_names(num_layers: int, prefix: str) -> list[str]:
@@ -291,8 +306,14 @@ def export_drafter(drafter: DFlashDrafter, path: Path, kv_io: str = "static") ->
     outputs = ["logits", *kv_names(n, "new" if static else "present")]
     head = torch.randn(cfg.vocab_size, cfg.hidden_size)  # a distinct tensor: aliased inputs would be merged
     slots = torch.arange(1, blk)
-    _export(DrafterForExport(drafter, static).eval(), (ids, th, pos, am, past, emb, head, slots), inputs, outputs,
-            dyn, path)
+    module = DrafterForExport(drafter, static).eval()
+    args = (ids, th, pos, am, past, emb, head, slots)
+    if drafter.lm_head is not None:  # its own LM head is stored in the graph (speculators format): no head input
+        inputs.remove("lm_head_weight")
+        dyn = dyn[:6] + dyn[7:]
+        args = args[:6] + args[7:]
+        module = _OwnHead(module)
+    _export(module, args, inputs, outputs, dyn, path)
     return {"inputs": inputs, "outputs": outputs, "kv_io": kv_io}
 
 

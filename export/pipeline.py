@@ -256,7 +256,7 @@ def run_export(cfg: ExportConfig) -> dict:
     ckpt = cfg.checkpoint or fam.default_checkpoint
     drafter, target, tok = _load_pair(fam, ckpt, cfg.target)
     profile, profile_source = choose_profile(cfg, drafter)
-    draft_ids = fam.draft_vocab(ckpt, cfg.full_vocab, target.config.vocab_size)
+    draft_ids = fam.draft_vocab(ckpt, cfg.full_vocab, target.config.vocab_size, drafter)
     taps = fam.taps(drafter, target.config.num_hidden_layers)
     k = fam.draft_tokens(drafter, cfg.num_draft_tokens)
     verify = _check_plan(cfg, drafter, target, taps, k)
@@ -272,8 +272,11 @@ def run_export(cfg: ExportConfig) -> dict:
         if profile.enabled:  # the rewrite added a per-row on/off input (per-request A/B of the query scale)
             drafter_io["inputs"] = [*drafter_io["inputs"], "query_scale_enabled"]
         log.info("query-scale rewrite: %s", counts)
-        if draft_ids is not None:
+        if draft_ids is not None and (Path(ckpt) / DRAFT_VOCAB_FILE).is_file():
             shutil.copyfile(Path(ckpt) / DRAFT_VOCAB_FILE, tmp / "drafter" / DRAFT_VOCAB_FILE)
+        elif draft_ids is not None:  # a draft vocabulary the checkpoint states another way (speculators' d2t)
+            (tmp / "drafter" / DRAFT_VOCAB_FILE).write_text(json.dumps(
+                {"draft_ids": draft_ids.tolist(), "source": "the checkpoint's d2t (speculators format)"}) + "\n")
         shared, embed, lm_head = _shared_tables(cfg, target, tmp / "target" / "model.onnx", drafter_io)
         log.info("validating (ORT vs torch) ...")
         drafter_check = fam.validate(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile, embed, lm_head,
@@ -330,8 +333,10 @@ def _load_pair(fam: DrafterFamily, ckpt: Path, target_source: str | None):
 def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> int | None:
     """Refusals that need the loaded pair but no graph (seconds). Returns the verify default (None: all k)."""
     if cfg.fused_attention and not cfg.spec.fused_attention_ok(drafter):
-        raise ExportError("--fused-attention: this drafter has sliding-window layers, which the fused op (causal "
-                          "windows only) cannot run; export without --fused-attention")
+        why = ("has sliding-window layers, which the fused op (causal windows only) cannot run"
+               if drafter.config.sliding else "stores its own LM head (speculators format), which the fused graph "
+               "form does not take")
+        raise ExportError(f"--fused-attention: this drafter {why}; export without --fused-attention")
     if cfg.target_precision != "fp32":
         from export.genai_target import GenaiBuildError, builder_taps
 

@@ -252,7 +252,9 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         feed = {"input_ids": np.concatenate([c["ids"].numpy() for c in cases]),
                 "target_hidden": np.concatenate([c["th"].numpy() for c in cases]),
                 "position_ids": np.concatenate([c["pos"].numpy() for c in cases]),
-                "embed_weight": embed.numpy(), "lm_head_weight": lm_head.numpy()}
+                "embed_weight": embed.numpy()}
+        if "lm_head_weight" in io["inputs"]:  # else the graph stores its own head (speculators format)
+            feed["lm_head_weight"] = lm_head.numpy()
         if "draft_slots" in io["inputs"]:  # every slot: the reference returns logits for all B - 1
             feed["draft_slots"] = np.arange(1, blk, dtype=np.int64)
         _, mask = dflash_block(lens, [ctx] * len(cases), l_max, blk)

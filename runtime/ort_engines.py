@@ -366,10 +366,9 @@ class OrtDFlashDrafter(_Graph):
         self._drafter_setup(engine_dir, manifest, graph)
         self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
         self._full_head = self.shared.get("lm_head_weight")
-        # an int8 graph (export/drafter_quant.py) may carry its LM head: the target's quantized rows, in the draft
-        # vocabulary's order when the folder has one
-        self.head_in_graph = "lm_head_weight" not in graph["inputs"] and bool((graph.get("quantization") or {})
-                                                                             .get("lm_head"))
+        # the graph may carry its LM head: an int8 graph the target's quantized rows (export/drafter_quant.py), a
+        # speculators-format drafter its own head; in the draft vocabulary's order when the folder has one
+        self.head_in_graph = "lm_head_weight" not in graph["inputs"]
         self.draft_ids = self._draft_head = None
         vocab_entry = manifest["drafter"].get("draft_vocab")
         if vocab_entry and (self._full_head is not None or self.head_in_graph):
@@ -391,8 +390,9 @@ class OrtDFlashDrafter(_Graph):
             ValueError: ``enabled`` False on a graph that carries its draft-vocabulary LM head (int8 export).
         """
         if self.head_in_graph and not enabled and self.draft_ids is not None:
-            raise ValueError("this int8 drafter graph carries the draft vocabulary's LM-head rows; export with "
-                             "--drafter-precision fp32 to score the whole vocabulary")
+            raise ValueError("this drafter graph carries the draft vocabulary's LM-head rows (an int8 export, or the "
+                             "drafter's own head); a float export of a drafter that borrows the target's head can "
+                             "score the whole vocabulary (--drafter-precision fp32)")
         self.draft_vocab_enabled = bool(enabled and self.draft_ids is not None)
         if self._full_head is not None:
             self.shared["lm_head_weight"] = self._draft_head if self.draft_vocab_enabled else self._full_head

@@ -284,7 +284,15 @@ class TorchDFlashDrafter:
             beta = beta_torch(mask.sum(-1), self.profile).to(dev)  # N = s + B per row
             beta = torch.where(torch.tensor(flags, device=dev), beta, torch.ones_like(beta))
             h, new_kv = self.model(emb, hidden, pos, past_kv, key_mask=mask, query_scale=beta[:, None, None, None])
-        if self.draft_ids is None:
+        if self.model.lm_head is not None:  # its own head (speculators format), rows at target ids via d2t
+            rows = self.model.lm_head(h[:, 1:])
+            ids = self.model.head_target_ids()
+            if ids is None:
+                logits = rows
+            else:
+                logits = torch.full((*rows.shape[:2], self.vocab_size), float("-inf"), device=dev, dtype=rows.dtype)
+                logits[..., ids.to(dev)] = rows
+        elif self.draft_ids is None:
             logits = torch.matmul(h[:, 1:], self.lm_head_weight.transpose(0, 1))
         else:
             logits = torch.full((*h[:, 1:].shape[:2], self.vocab_size), float("-inf"), device=dev)

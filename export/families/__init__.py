@@ -74,7 +74,8 @@ class DrafterFamily(abc.ABC):
 
     default_draft_tokens: int = 1
 
-    def draft_vocab(self, ckpt: Path, full_vocab: bool, target_vocab_size: int) -> np.ndarray | None:
+    def draft_vocab(self, ckpt: Path, full_vocab: bool, target_vocab_size: int,
+                    drafter=None) -> np.ndarray | None:
         """The reduced draft vocabulary (target ids) the checkpoint ships, or None. Raises ExportError."""
         return None
 

@@ -34,8 +34,13 @@ class DFlashFamily(DrafterFamily):
         problems = []
         if d.hidden_size != t.hidden_size:
             problems.append(f"hidden_size {d.hidden_size} vs target {t.hidden_size}")
-        if d.num_target_layers != t.num_hidden_layers:
+        if d.num_target_layers_known and d.num_target_layers != t.num_hidden_layers:
             problems.append(f"num_target_layers {d.num_target_layers} vs target layers {t.num_hidden_layers}")
+        elif max(d.target_layer_ids) >= t.num_hidden_layers:  # speculators configs do not state the target's depth
+            problems.append(f"target layer {max(d.target_layer_ids)} tapped, the target has {t.num_hidden_layers}")
+        if drafter.lm_head is not None and drafter.d2t is None and d.own_lm_head != t.vocab_size:
+            problems.append(f"its own LM head scores {d.own_lm_head} rows without a d2t mapping, the target's "
+                            f"vocabulary has {t.vocab_size}")
         if problems:
             raise ExportError("drafter checkpoint does not fit this target: " + "; ".join(problems)
                               + " (pass the --target it was trained for)")
@@ -46,9 +51,18 @@ class DFlashFamily(DrafterFamily):
     def draft_tokens(self, drafter, requested: int | None) -> int:
         return drafter.config.block_size - 1  # fixed by the checkpoint's block size
 
-    def draft_vocab(self, ckpt: Path, full_vocab: bool, target_vocab_size: int) -> np.ndarray | None:
+    def draft_vocab(self, ckpt: Path, full_vocab: bool, target_vocab_size: int,
+                    drafter=None) -> np.ndarray | None:
+        """The checkpoint's ``draft_vocab.json``, or, for a drafter with its own draft-vocabulary head
+        (speculators format), the target ids of its rows (``d2t``). Raises ExportError."""
         from runtime.draft_vocab import DRAFT_VOCAB_FILE, DraftVocabError, load_draft_vocab
 
+        if drafter is not None and drafter.lm_head is not None:
+            if full_vocab and drafter.d2t is not None:
+                raise ExportError(f"--full-vocab: this drafter's own LM head scores {drafter.d2t.numel()} "
+                                  "draft-vocabulary rows only (speculators format, d2t); export without --full-vocab")
+            ids = drafter.head_target_ids()
+            return None if ids is None else ids.numpy().astype(np.int64)
         if full_vocab or not (Path(ckpt) / DRAFT_VOCAB_FILE).is_file():
             return None
         try:
@@ -70,7 +84,8 @@ class DFlashFamily(DrafterFamily):
         return self.num_keys_note
 
     def fused_attention_ok(self, drafter) -> bool:
-        return not drafter.config.sliding  # the fused op's window is causal
+        # the fused op's window is causal; its graph form reads the LM head as an input
+        return not drafter.config.sliding and drafter.lm_head is None
 
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
         from export.graphs import export_drafter
@@ -80,8 +95,12 @@ class DFlashFamily(DrafterFamily):
     def validate(self, drafter, k, path, io, profile, embed, lm_head, draft_ids):
         from export.validate import validate_drafter
 
-        # with a draft vocabulary the graph is checked on the LM-head rows the runtime will feed
-        head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
+        # with a draft vocabulary the graph is checked on the LM-head rows the runtime will feed (or on the
+        # drafter's own head, stored in the graph)
+        if drafter.lm_head is not None:
+            head = drafter.lm_head.weight.detach()
+        else:
+            head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
         return validate_drafter(drafter, path, io, profile, embed, head)
 
     @torch.no_grad()
@@ -108,7 +127,7 @@ class DFlashFamily(DrafterFamily):
             hidden[r, :p] = feats[:p]
             tokens[r, 0] = ids[0, p]
         pos, mask = dflash_block([0] * rows, ends.tolist(), 1, blk)  # one masked past slot: static graphs need >= 1
-        head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]
+        head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]  # unused by own-head graphs
         empty = np.zeros((rows, c.num_key_value_heads, 1, c.head_dim), np.float32)
         feed = {"input_ids": tokens, "target_hidden": hidden, "position_ids": pos, "attention_mask": mask,
                 "embed_weight": embed.numpy(), "lm_head_weight": head.numpy(),

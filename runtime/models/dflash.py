@@ -93,11 +93,54 @@ def refuse_lookalikes(d: dict[str, Any]) -> None:
     if "DSpark" in arch or "markov_rank" in d or "markov_head_type" in d:
         raise CheckpointError(f"{arch or 'this config'} is a DSpark drafter: not supported (missing: its Markov head, "
                               "confidence head and own embedding / LM head); it cannot be loaded as plain DFlash")
-    if d.get("speculators_model_type") is not None:
-        raise CheckpointError(f"a speculators-format {d['speculators_model_type']} drafter "
-                              "(speculators_model_type): DFlash in this format (its own embed_tokens and a "
-                              "draft-vocabulary lm_head with d2t) is not supported yet; use the z-lab layout "
-                              "(config.json with dflash_config), or --drafter eagle3 for a speculators EAGLE-3 head")
+    kind = d.get("speculators_model_type")
+    if kind is not None and kind != "dflash":
+        raise CheckpointError(f"a speculators-format {kind} drafter (speculators_model_type {kind!r}) is not a DFlash "
+                              f"drafter; use --drafter {'eagle3' if kind == 'eagle3' else 'the family it belongs to'}")
+
+
+def from_speculators(d: dict[str, Any]) -> dict[str, Any]:
+    """A speculators-format DFlash ``config.json`` (vLLM's ``speculators_model_type: "dflash"``) as the z-lab
+    layout :meth:`DFlashConfig.from_dict` reads, plus ``own_lm_head`` (its draft-vocabulary LM head's rows).
+
+    Conventions (speculators' DFlash config and converter, vLLM's ``update_dflash``): the layer config is nested
+    under ``transformer_layer_config``; ``aux_hidden_state_layer_ids`` are z-lab ids + 1 (vLLM maps them back with
+    ``i - 1``), so ``target_layer_ids = [i - 1 for i in aux]``; ``mask_token_id`` is top-level; sliding layers are
+    causal inside the block unless ``sliding_window_non_causal`` (full layers are always bidirectional); with
+    ``sample_from_anchor`` the bonus slot drafts too. The checkpoint's ``lm_head`` scores ``draft_vocab_size``
+    rows, mapped to target ids by ``d2t`` (``target = draft + d2t[draft]``) when smaller than the vocabulary; its
+    ``embed_tokens`` is a frozen copy of the verifier's (the target's table is used instead).
+
+    Raises:
+        CheckpointError: a field this runtime needs is null or a setting it cannot run, named.
+    """
+    t = d.get("transformer_layer_config")
+    if not isinstance(t, dict):
+        raise CheckpointError("speculators DFlash config: transformer_layer_config is missing")
+    aux = d.get("aux_hidden_state_layer_ids")
+    if not aux:
+        raise CheckpointError("speculators DFlash config: aux_hidden_state_layer_ids is null, so the target layers the "
+                              "drafter reads are unknown; set it to the verifier layers it was trained on "
+                              "(speculators' convention: z-lab's target_layer_ids + 1)")
+    mask = d.get("mask_token_id", (d.get("dflash_config") or {}).get("mask_token_id"))
+    if mask is None:
+        raise CheckpointError("speculators DFlash config: mask_token_id is not set (speculators stores it top-level; "
+                              "the drafter cannot fill its block without it); set the id it was trained with")
+    if d.get("sample_from_anchor"):
+        raise CheckpointError("speculators DFlash config: sample_from_anchor true (the bonus slot drafts too) is not "
+                              "supported: sharpdraft drafts block slots 1..B-1 after the bonus token")
+    if t.get("rope_scaling") not in (None, {}) and (t["rope_scaling"].get("rope_type") or
+                                                      t["rope_scaling"].get("type")) not in (None, "default"):
+        raise CheckpointError(f"speculators DFlash config: rope_scaling {t['rope_scaling']} is not supported by the "
+                              "DFlash drafter (plain RoPE only)")
+    sliding = "sliding_attention" in (t.get("layer_types") or []) or bool(t.get("use_sliding_window"))
+    flat = {k: v for k, v in t.items() if k not in ("model_type", "architectures")}
+    flat.update(block_size=int(d.get("block_size", 8)), model_type="qwen3",
+                dflash_config={"mask_token_id": int(mask), "target_layer_ids": [int(i) - 1 for i in aux],
+                               "causal": sliding and not d.get("sliding_window_non_causal", False)},
+                own_lm_head=int(d.get("draft_vocab_size") or t["vocab_size"]), speculators_config=d.get(
+                    "speculators_config"), num_target_layers=None)
+    return flat
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,6 +167,12 @@ class DFlashConfig:
     # per layer: the sliding window W of a "sliding_attention" layer, None for a full one ([] = all full). A block
     # query at position p sees the keys at positions > p - W (and, non-causal as every DFlash layer, the whole block)
     layer_windows: list = dataclasses.field(default_factory=list)
+    # speculators format: rows of the drafter's own LM head (draft vocabulary, target ids through d2t); None: the
+    # target's LM head is borrowed (z-lab layout)
+    own_lm_head: int | None = None
+    # False when the config does not say how many layers the target has (speculators format): the pair check then
+    # only asks that every tapped layer exist
+    num_target_layers_known: bool = True
 
     @property
     def windows(self) -> list[int | None]:
@@ -156,7 +205,7 @@ class DFlashConfig:
         variant (those fields top-level). Raises CheckpointError if incomplete, or for a drafter of another kind
         that only looks like DFlash (:func:`refuse_lookalikes`)."""
         refuse_lookalikes(d)
-        d = dict(d)
+        d = from_speculators(d) if d.get("speculators_model_type") == "dflash" else dict(d)
         dcfg = d.pop("dflash_config", None) or {}
         for name in ("mask_token_id", "target_layer_ids", "block_size"):  # flat variant; dflash_config wins
             if name not in dcfg and name in d:
@@ -164,8 +213,10 @@ class DFlashConfig:
         try:
             rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1_000_000.0
             n_layers = int(d["num_hidden_layers"])
-            n_target = int(d.get("num_target_layers") or d["num_hidden_layers"])
-            ids = dcfg.get("target_layer_ids") or build_target_layer_ids(n_target, n_layers)
+            known_target = d.get("num_target_layers", 0) is not None
+            ids = dcfg.get("target_layer_ids")
+            n_target = int(d.get("num_target_layers") or (max(ids) + 1 if not known_target else d["num_hidden_layers"]))
+            ids = ids or build_target_layer_ids(n_target, n_layers)
             known = dict(
                 hidden_size=int(d["hidden_size"]), num_hidden_layers=n_layers,
                 num_attention_heads=int(d["num_attention_heads"]),
@@ -176,13 +227,14 @@ class DFlashConfig:
                 target_layer_ids=[int(i) for i in ids], num_target_layers=n_target,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
                 max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-                attention_bias=bool(d.get("attention_bias", False)), query_scale=d.get("sharpdraft_query_scale"))
+                attention_bias=bool(d.get("attention_bias", False)), query_scale=d.get("sharpdraft_query_scale"),
+                own_lm_head=d.get("own_lm_head"), num_target_layers_known=known_target)
         except KeyError as e:
             raise CheckpointError(f"DFlash config is missing field {e.args[0]!r} (dflash_config.mask_token_id and "
                                   "block_size are required)") from e
         known["layer_windows"] = _layer_windows(d, dcfg, n_layers)
         keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale", "target_layer_ids",
-                             "layer_types", "sliding_window", "use_sliding_window"}
+                             "layer_types", "sliding_window", "use_sliding_window", "own_lm_head"}
         return cls(**known, extra={k: v for k, v in d.items() if k not in keys})
 
     def to_dict(self) -> dict[str, Any]:
@@ -449,6 +501,19 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(cfg, attention_impl) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(h)) if cfg.uses_mask_embedding else None
+        # speculators format: the drafter's own LM head over its draft vocabulary (d2t: target id - draft id)
+        self.lm_head = nn.Linear(h, cfg.own_lm_head, bias=False) if cfg.own_lm_head else None
+        if cfg.own_lm_head and cfg.own_lm_head < cfg.vocab_size:
+            self.register_buffer("d2t", torch.zeros(cfg.own_lm_head, dtype=torch.long))
+        else:
+            self.d2t = None
+
+    def head_target_ids(self) -> torch.Tensor | None:
+        """int64 ``[draft_vocab]``: the target id of each row of the drafter's own LM head (``draft + d2t[draft]``);
+        None when the head borrows the target's (z-lab layout) or scores the whole vocabulary."""
+        if self.lm_head is None or self.d2t is None:
+            return None
+        return torch.arange(self.d2t.numel()) + self.d2t
 
     @property
     def attention_impl(self) -> str:
@@ -610,12 +675,19 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
     state = read_safetensors(path)
     for old, new in (("midlayer.", "layers.0."), ("encoder.fc.", "fc.")):  # third-party variants (vLLM mapping)
         state = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
+    if cfg.own_lm_head:  # speculators: its frozen copies of the verifier's tables are not used (the target's are)
+        state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "t2d", "verifier_norm.weight",
+                                                             "verifier_lm_head.weight")}
     # strict loads build the modules without storage and adopt the read tensors as parameters (assign): one copy of
     # the weights in memory, not two (a 1 B-parameter drafter peaked at 7.9 GB instead of 4.2; scripts/bench_scale.py)
     with torch.device("meta" if strict else "cpu"):
         model = DFlashDrafter(cfg, attention_impl)
     check_state(path, model.state_dict(), state, strict=strict)
     model.load_state_dict(state, strict=strict, assign=strict)
+    ids = model.head_target_ids()
+    if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel()):
+        raise CheckpointError(f"{path}: d2t maps the draft vocabulary outside [0, {cfg.vocab_size}) or onto one target "
+                              "id twice; the checkpoint's vocabulary mapping is corrupt")
     return model.to(dtype).eval()
 
 

@@ -28,7 +28,8 @@ def test_dflash_configs_load_at_their_true_shapes():
     ("dflash2-config.z-lab-fixture.json", "DFlash2 drafter: sharpdraft supports DFlash v1 only (missing: the per-layer "
                                           "attention_conv / mlp_conv kernels and the candidate_selector"),
     ("deepseek-ai-dspark_qwen3_4b_block7.TRIMMED.json", "DSpark drafter: not supported (missing: its Markov head"),
-    ("speculators-dflash-example.config.json", "speculators-format dflash drafter"),
+    # loads in the speculators layout (tests/export/test_speculators_dflash.py), but this test upload names no taps
+    ("speculators-dflash-example.config.json", "aux_hidden_state_layer_ids is null"),
 ])
 def test_lookalikes_are_refused_with_one_clear_message(name, needle):
     with pytest.raises(CheckpointError) as e:
