@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 DRAFTER_PRECISIONS = ("fp32", "fp16", "int8")
-# fp16: kept in float32 (their inputs cast up, outputs cast down), as the issue and peers do for DFlash: the RMS norms'
+# fp16: the numerically sensitive parts stay float32 (inputs cast up, outputs cast down): the RMS norms'
 # square-and-mean (x^2 of a residual stream overflows float16's 65504), DFlash's ``fc`` (a sum over every tapped
-# target layer) and the query-scale subgraph (log of the key count, a per-row scalar)
+# target layer), the rotary angle and the query-scale subgraph (log of the key count, a per-row scalar)
 HALF_BLOCKED_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
 QUERY_SCALE_PREFIX = "sharpdraft/"
 LAYER_BITS = 8
@@ -138,10 +138,7 @@ def _rotary_angle_nodes(model) -> list[str]:
     """
     producers = {o: n for n in model.graph.node for o in n.output}
     downstream, frontier = set(), ["position_ids"]
-    users: dict[str, list] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
+    users = _users(model)
     while frontier:  # forward from position_ids, not past Cos / Sin
         for n in users.get(frontier.pop(), []):
             if n.name not in downstream:
@@ -170,10 +167,7 @@ def _drop_round_trips(model) -> int:
     def cast_to(n):
         return next((a.i for a in n.attribute if a.name == "to"), None) if n.op_type == "Cast" else None
 
-    users: dict[str, list] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
+    users = _users(model)
     graph_outputs = {o.name for o in model.graph.output}
     dropped = []
     for down in model.graph.node:
@@ -188,10 +182,20 @@ def _drop_round_trips(model) -> int:
                         reader.input[j] = down.input[0]
             dropped.append(up)
         dropped.append(down)
-    keep = [n for n in model.graph.node if all(n is not d for d in dropped)]
+    gone = {id(n) for n in dropped}
+    keep = [n for n in model.graph.node if id(n) not in gone]
     del model.graph.node[:]
     model.graph.node.extend(keep)
     return len(dropped)
+
+
+def _users(model) -> dict[str, list]:
+    """Tensor name -> the nodes that read it."""
+    users: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    return users
 
 
 def _bake_lm_head(model, spec: dict, target_onnx: Path, rows: np.ndarray | None) -> dict:
