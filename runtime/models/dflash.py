@@ -213,9 +213,11 @@ class DFlashConfig:
         try:
             rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1_000_000.0
             n_layers = int(d["num_hidden_layers"])
-            known_target = d.get("num_target_layers", 0) is not None
             ids = dcfg.get("target_layer_ids")
-            n_target = int(d.get("num_target_layers") or (max(ids) + 1 if not known_target else d["num_hidden_layers"]))
+            # the target's depth: stated, else unknown when the taps are given (speculators, trimmed z-lab configs:
+            # the pair check then asks only that the tapped layers exist), else the drafter's own (old configs)
+            known_target = d.get("num_target_layers") is not None or not ids
+            n_target = int(d.get("num_target_layers") or (d["num_hidden_layers"] if known_target else max(ids) + 1))
             ids = ids or build_target_layer_ids(n_target, n_layers)
             known = dict(
                 hidden_size=int(d["hidden_size"]), num_hidden_layers=n_layers,

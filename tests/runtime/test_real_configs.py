@@ -162,3 +162,47 @@ def test_speculators_eagle3_with_llama3_rope_exports_and_validates(tmp_path, tin
     assert m["drafter"]["config"]["speculators_model_type"] == "eagle3"  # the checkpoint's own config, kept
     pts = m["validation"]["drafter"]["points"]
     assert pts and all(p["max_abs_diff_logits"] <= p["bound"] for p in pts)
+
+
+DFLASH_LIKE = sorted(p.name for p in CONFIGS.glob("*.json")
+                     if any(k in p.read_text() for k in ("DFlash", "DSpark", "Glimmer", "block_size")))
+
+
+@pytest.mark.parametrize("name", DFLASH_LIKE)
+def test_every_real_dflash_like_config_loads_and_exports_shrunk_or_is_refused(name, tmp_path, tiny_target_dir):
+    """Each DFlash-family config file: either it loads (shape facts as the file states them), and a copy shrunk to
+    the tiny target (same block size, layer kinds, tap count, mask-token kind) exports and validates; or it is
+    refused with one message, never loaded as something else."""
+    import dataclasses
+
+    from export.pipeline import ExportConfig, run_export
+    from runtime.models.dflash import DFlashDrafter, save_dflash
+    from tests.conftest import TINY_VOCAB
+
+    raw = _cfg(name)
+    try:
+        c = DFlashConfig.from_dict(raw)
+    except CheckpointError as e:
+        assert "\n" not in str(e) and len(str(e)) < 400
+        return
+    t = raw.get("transformer_layer_config") or raw
+    assert (c.hidden_size, c.num_hidden_layers) == (t["hidden_size"], t["num_hidden_layers"])
+    n = min(c.num_hidden_layers, 3)
+    windows = c.windows[: n - 1] + c.windows[-1:]  # keeps a sliding and a full layer where the file has both
+    small = dataclasses.replace(
+        c, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=TINY_VOCAB, mask_token_id=TINY_VOCAB if c.uses_mask_embedding else 5,
+        target_layer_ids=[i % 4 for i in range(len(c.target_layer_ids))], num_target_layers=4,
+        num_target_layers_known=True, own_lm_head=None, max_position_embeddings=4096,
+        layer_windows=[None if w is None else 32 for w in windows] if c.sliding else [], extra={})
+    torch.manual_seed(0)
+    d = DFlashDrafter(small)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    save_dflash(d, tmp_path / "ck")
+    m = run_export(ExportConfig(family="dflash", out=tmp_path / "e", checkpoint=tmp_path / "ck",
+                                target=str(tiny_target_dir), target_precision="fp32", ref_keys=64))
+    assert m["drafter"]["block_size"] == c.block_size
+    v = m["validation"]["drafter"]
+    assert all(p["max_abs_diff_logits"] <= p["bound"] for p in v["points"] + v["ragged"])
