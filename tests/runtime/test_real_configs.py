@@ -206,3 +206,19 @@ def test_every_real_dflash_like_config_loads_and_exports_shrunk_or_is_refused(na
     assert m["drafter"]["block_size"] == c.block_size
     v = m["validation"]["drafter"]
     assert all(p["max_abs_diff_logits"] <= p["bound"] for p in v["points"] + v["ragged"])
+
+
+EAGLE3_FILES = sorted(p.name for p in CONFIGS.glob("*.json") if "eagle" in p.name.lower())
+
+
+@pytest.mark.parametrize("name", EAGLE3_FILES)
+def test_every_real_eagle3_config_loads_at_its_true_shape(name):
+    """Official (SafeAILab), SpecForge, AngelSlim and speculators layouts; a shrunk copy of the speculators one is
+    exported and validated above (test_speculators_eagle3_with_llama3_rope_exports_and_validates), the official
+    layout by tests/e2e/test_families_real.py on the real target."""
+    raw = _cfg(name)
+    c = Eagle3Config.from_dict(raw)
+    t = raw.get("transformer_layer_config") or raw
+    assert (c.hidden_size, c.vocab_size, c.draft_vocab_size) == (t["hidden_size"], t["vocab_size"],
+                                                                raw["draft_vocab_size"])
+    assert c.rope_theta == float(t.get("rope_theta") or 10000.0)  # EAGLE's reference default when absent
