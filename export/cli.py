@@ -71,7 +71,6 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars on stderr would bury the one error line
     log_path = _log_path(out)
-    quiet = chatter_to_file(log_path) if log_path is not None and not verbose else contextlib.nullcontext()
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
                            slope=slope, cap=cap, query_scale=not no_query_scale,
@@ -80,6 +79,10 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                            target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io,
                            target_precision=target_precision, accuracy_level=accuracy_level,
                            drafter_precision=drafter_precision, dtype=dtype)
+        # phase lines: target, drafter, validation, and the lower-precision drafter graph when there is one
+        phases = 3 + (cfg.drafter_graph_precision != "fp32")
+        quiet = chatter_to_file(log_path, phases=phases) if log_path is not None and not verbose \
+            else contextlib.nullcontext()
         with quiet:
             manifest = run_export(cfg)
     except (ExportError, ValueError, QueryScaleRewriteError) as e:
