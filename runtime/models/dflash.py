@@ -232,8 +232,8 @@ class DFlashConfig:
                 attention_bias=bool(d.get("attention_bias", False)), query_scale=d.get("sharpdraft_query_scale"),
                 own_lm_head=d.get("own_lm_head"), num_target_layers_known=known_target)
         except KeyError as e:
-            raise CheckpointError(f"DFlash config is missing field {e.args[0]!r} (dflash_config.mask_token_id and "
-                                  "block_size are required)") from e
+            where = " (in dflash_config or top-level)" if e.args[0] in ("mask_token_id", "block_size") else ""
+            raise CheckpointError(f"DFlash config is missing field {e.args[0]!r}{where}") from e
         known["layer_windows"] = _layer_windows(d, dcfg, n_layers)
         keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale", "target_layer_ids",
                              "layer_types", "sliding_window", "use_sliding_window", "own_lm_head"}
@@ -254,6 +254,8 @@ class DFlashConfig:
         if self.sliding:
             out["sliding_window"] = next(w for w in self.windows if w is not None)
             out["use_sliding_window"] = True
+        if not self.num_target_layers_known:  # not stated by the checkpoint: not invented either
+            out.pop("num_target_layers")
         if self.query_scale is not None:
             out["sharpdraft_query_scale"] = self.query_scale
         return out
