@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models import attention_probe
-from plugins.rule import beta_torch, count_visible, switch_rows
+from plugins.rule import Family, beta_torch, count_visible, switch_rows
 from runtime.modes import AttentionImpl
 
 
@@ -94,9 +94,10 @@ def refuse_lookalikes(d: dict[str, Any]) -> None:
         raise CheckpointError(f"{arch or 'this config'} is a DSpark drafter: not supported (missing: its Markov head, "
                               "confidence head and own embedding / LM head); it cannot be loaded as plain DFlash")
     kind = d.get("speculators_model_type")
-    if kind is not None and kind != "dflash":
+    if kind is not None and kind != Family.DFLASH:
+        known = kind in {f.value for f in Family}
         raise CheckpointError(f"a speculators-format {kind} drafter (speculators_model_type {kind!r}) is not a DFlash "
-                              f"drafter; use --drafter {'eagle3' if kind == 'eagle3' else 'the family it belongs to'}")
+                              f"drafter; use --drafter {kind if known else 'with the family it belongs to'}")
 
 
 def from_speculators(d: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +206,7 @@ class DFlashConfig:
         variant (those fields top-level). Raises CheckpointError if incomplete, or for a drafter of another kind
         that only looks like DFlash (:func:`refuse_lookalikes`)."""
         refuse_lookalikes(d)
-        d = from_speculators(d) if d.get("speculators_model_type") == "dflash" else dict(d)
+        d = from_speculators(d) if d.get("speculators_model_type") == Family.DFLASH else dict(d)
         dcfg = d.pop("dflash_config", None) or {}
         for name in ("mask_token_id", "target_layer_ids", "block_size"):  # flat variant; dflash_config wins
             if name not in dcfg and name in d:
