@@ -1,19 +1,19 @@
-"""Builder target graphs (``--target-precision int4|int8|fp16|bf16``) written by ONNX Runtime GenAI's model builder.
+"""Builder target graphs (``--target-precision int4|int8|fp16``), written by ONNX Runtime GenAI's model builder.
 
 The builder (``python -m onnxruntime_genai.models.builder``, PyPI ``onnxruntime-genai``) writes the graph a CPU
 user of SmolLM2 would run anyway: weight-only ``MatMulNBits`` (block 32, symmetric), fused
 ``GroupQueryAttention`` with rotary inside, ``SkipSimplifiedLayerNormalization``, a quantized tied
-embedding (``GatherBlockQuantized``). fp16 / bf16 targets are the builder's half-precision graph in its CUDA layout
-(``-e cuda``: the same fused ``GroupQueryAttention`` and shared past/present buffer, float16 / bfloat16 inputs,
-outputs and KV cache; ONNX Runtime's CPU provider runs the fp16 one), the form an ORT
-GenAI user of a GPU would build (bf16 is refused: :func:`check_runnable`). sharpdraft drives that graph itself (runtime/ort_engines.py, kv_io
-"shared"); the builder's ``genai_config.json`` is kept, so ``target/`` also loads in ``onnxruntime_genai.Model``.
+embedding (``GatherBlockQuantized``). fp16 targets are the builder's half-precision graph in its CUDA layout
+(``-e cuda``: the same fused ``GroupQueryAttention`` and shared past/present buffer, float16 inputs, outputs and KV
+cache), the form an ORT GenAI user of a GPU would build, which ONNX Runtime's CPU provider also runs; bf16 is refused
+(:func:`check_runnable`). sharpdraft drives that graph itself (runtime/ort_engines.py, kv_io "shared"); the
+builder's ``genai_config.json`` is kept, so ``target/`` also loads in ``onnxruntime_genai.Model``.
 
 Graph contract (kv_io "shared"):
     inputs   input_ids [batch, q_len] int64; attention_mask [batch, total_len] int64 whose row sums are the
              rows' lengths after this call (cached + q_len; ragged rows right-padded with 0);
              past_key_values.{i}.key / .value [batch, kv_heads, capacity, head_dim] f32 (int4 / int8) or
-             f16 / bf16 (fp16 / bf16)
+             f16 (fp16)
     outputs  logits [batch, q_len, vocab] and aux_hidden_states [batch, q_len, len(taps) * hidden] (only
              when the drafter reads target features); present.{i}.key / .value bound to the *same* buffers as
              the past (past_present_share_buffer): the graph writes the q_len new positions of row b at
@@ -35,9 +35,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-log = logging.getLogger("sharpdraft.export")
+from runtime.manifest import TARGET_PRECISIONS as PRECISIONS  # fp32 = export/graphs.py's own graph
 
-from runtime.manifest import TARGET_PRECISIONS as PRECISIONS  # noqa: E402 - fp32 = export/graphs.py's own graph
+log = logging.getLogger("sharpdraft.export")
 
 CLI_PRECISIONS = (*PRECISIONS, "bf16")  # bf16 is named so that it is refused with the reason (check_runnable)
 

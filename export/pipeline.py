@@ -54,8 +54,7 @@ class ExportConfig:
     # "fp32" (export/graphs.py), "int4" / "int8" / "fp16" (genai_target.py); None: --dtype, else the default
     target_precision: str | None = None
     accuracy_level: int | None = None  # int4/int8: MatMulNBits activation precision (None: the module default)
-    # "fp32" or "int8" (export/drafter_quant.py); None: int8 where the family supports it and the target is
-    # quantized, else fp32
+    # "fp32", "fp16" or "int8" (export/drafter_quant.py); None: ExportConfig.drafter_graph_precision
     drafter_precision: str | None = None
     dtype: str | None = None  # "fp32" / "fp16" / "bf16": both graphs' float precision (--dtype)
 
