@@ -690,7 +690,8 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
     check_state(path, model.state_dict(), state, strict=strict)
     model.load_state_dict(state, strict=strict, assign=strict)
     ids = model.head_target_ids()
-    if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel()):
+    if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size
+                            or ids.unique().numel() != ids.numel()):
         raise CheckpointError(f"{path}: d2t maps the draft vocabulary outside [0, {cfg.vocab_size}) or onto one target "
                               "id twice; the checkpoint's vocabulary mapping is corrupt")
     return model.to(dtype).eval()
