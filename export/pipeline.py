@@ -287,8 +287,8 @@ def run_export(cfg: ExportConfig) -> dict:
             fused = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed, lm_head,
                                    validation)
         if cfg.drafter_graph_precision != "fp32":
-            validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(cfg, drafter, target, tok, tmp, scratch, drafter_io,
-                                                           shared, embed, lm_head, draft_ids)
+            validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(
+                cfg, drafter, target, tok, tmp, scratch, drafter_io, shared, embed, lm_head, draft_ids)
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
         graphs.update({name: _graph_entry(tmp, tmp / name / "model.onnx", io) for name, io in extra_io.items()})
