@@ -168,17 +168,26 @@ DFLASH_LIKE = sorted(p.name for p in CONFIGS.glob("*.json")
                      if any(k in p.read_text() for k in ("DFlash", "DSpark", "Glimmer", "block_size")))
 
 
+def _loads(name: str):
+    try:
+        return DFlashConfig.from_dict(_cfg(name))
+    except CheckpointError:
+        return None
+
+
+def _kind(c) -> tuple:
+    """What a shrunk copy keeps of a config: layer kinds, tap count, block size, mask-token kind."""
+    return (c.sliding, len(c.target_layer_ids), c.block_size, c.uses_mask_embedding)
+
+
+# one shrunk export per kind of config (the others of a kind differ only in sizes the shrinking replaces)
+SHRUNK = sorted({_kind(c): n for n in reversed(DFLASH_LIKE) if (c := _loads(n)) is not None}.values())
+
+
 @pytest.mark.parametrize("name", DFLASH_LIKE)
-def test_every_real_dflash_like_config_loads_and_exports_shrunk_or_is_refused(name, tmp_path, tiny_target_dir):
-    """Each DFlash-family config file: either it loads (shape facts as the file states them), and a copy shrunk to
-    the tiny target (same block size, layer kinds, tap count, mask-token kind) exports and validates; or it is
-    refused with one message, never loaded as something else."""
-    import dataclasses
-
-    from export.pipeline import ExportConfig, run_export
-    from runtime.models.dflash import DFlashDrafter, save_dflash
-    from tests.conftest import TINY_VOCAB
-
+def test_every_real_dflash_like_config_loads_or_is_refused(name):
+    """Each DFlash-family config file either loads, with the shape facts the file states, or is refused with one
+    message: never loaded as something else."""
     raw = _cfg(name)
     try:
         c = DFlashConfig.from_dict(raw)
@@ -187,8 +196,21 @@ def test_every_real_dflash_like_config_loads_and_exports_shrunk_or_is_refused(na
         return
     t = raw.get("transformer_layer_config") or raw
     assert (c.hidden_size, c.num_hidden_layers) == (t["hidden_size"], t["num_hidden_layers"])
+
+
+@pytest.mark.parametrize("name", SHRUNK)
+def test_a_shrunk_copy_of_each_kind_of_real_dflash_config_exports_and_validates(name, tmp_path, tiny_target_dir):
+    """Shrunk to the tiny target, keeping block size, layer kinds (a sliding and a full layer where the file has
+    both), tap count and mask-token kind: export and validation pass."""
+    import dataclasses
+
+    from export.pipeline import ExportConfig, run_export
+    from runtime.models.dflash import DFlashDrafter, save_dflash
+    from tests.conftest import TINY_VOCAB
+
+    c = DFlashConfig.from_dict(_cfg(name))
     n = min(c.num_hidden_layers, 3)
-    windows = c.windows[: n - 1] + c.windows[-1:]  # keeps a sliding and a full layer where the file has both
+    windows = c.windows[: n - 1] + c.windows[-1:]
     small = dataclasses.replace(
         c, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=96, vocab_size=TINY_VOCAB, mask_token_id=TINY_VOCAB if c.uses_mask_embedding else 5,
