@@ -53,6 +53,21 @@ def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
     return path
 
 
+def dflash_layer_state(w, layers: int, h: int, nh: int, nkv: int, hd: int, inter: int) -> dict:
+    """The ``layers.{i}.*`` tensors of a DFlash checkpoint (Qwen3 layers with q/k norms), drawn with ``w(*shape)``;
+    norms are ``1 + w``. Shared by the z-lab and speculators layouts, whose layer keys are the same."""
+    state = {}
+    for i in range(layers):
+        p = f"layers.{i}."
+        state.update({p + "self_attn.q_proj.weight": w(nh * hd, h), p + "self_attn.k_proj.weight": w(nkv * hd, h),
+                      p + "self_attn.v_proj.weight": w(nkv * hd, h), p + "self_attn.o_proj.weight": w(h, nh * hd),
+                      p + "self_attn.q_norm.weight": 1 + w(hd), p + "self_attn.k_norm.weight": 1 + w(hd),
+                      p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+                      p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": 1 + w(h),
+                      p + "post_attention_layernorm.weight": 1 + w(h)})
+    return state
+
+
 def write_tiny_dflash(path: Path, *, mask_embedding: bool = True, block_size: int = 4, seed: int = 1,
                       query_scale: dict | None = None, sliding_window: int | None = None) -> Path:
     """Write a tiny DFlash checkpoint in exactly the public layout (config.json + model.safetensors);
@@ -79,14 +94,7 @@ def write_tiny_dflash(path: Path, *, mask_embedding: bool = True, block_size: in
         return torch.randn(*shape, generator=g) * 0.2
 
     state = {"fc.weight": w(h, 2 * h), "hidden_norm.weight": 1 + w(h), "norm.weight": 1 + w(h)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        state.update({p + "self_attn.q_proj.weight": w(nh * hd, h), p + "self_attn.k_proj.weight": w(nkv * hd, h),
-                      p + "self_attn.v_proj.weight": w(nkv * hd, h), p + "self_attn.o_proj.weight": w(h, nh * hd),
-                      p + "self_attn.q_norm.weight": 1 + w(hd), p + "self_attn.k_norm.weight": 1 + w(hd),
-                      p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-                      p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": 1 + w(h),
-                      p + "post_attention_layernorm.weight": 1 + w(h)})
+    state.update(dflash_layer_state(w, layers, h, nh, nkv, hd, inter))
     if mask_embedding:
         state["mask_embedding"] = w(h)
     path.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from export.pipeline import ExportConfig, ExportError, run_export
 from runtime.engine import SpecEngine
 from runtime.models.dflash import CheckpointError, DFlashConfig, load_dflash
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, dflash_layer_state
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "speculators-dflash-example.config.json"
 DRAFT_VOCAB = 300
@@ -45,14 +45,7 @@ def write_speculators_dflash(path: Path, seed: int = 3, **over) -> Path:
              "lm_head.weight": w(DRAFT_VOCAB, h), "d2t": d2t_targets - torch.arange(DRAFT_VOCAB),
              "t2d": torch.zeros(TINY_VOCAB, dtype=torch.bool).index_fill_(0, d2t_targets, True),
              "embed_tokens.weight": w(TINY_VOCAB, h)}  # a frozen copy of the verifier's table: not used
-    for i in range(t["num_hidden_layers"]):
-        p = f"layers.{i}."
-        state.update({p + "self_attn.q_proj.weight": w(nh * hd, h), p + "self_attn.k_proj.weight": w(nkv * hd, h),
-                      p + "self_attn.v_proj.weight": w(nkv * hd, h), p + "self_attn.o_proj.weight": w(h, nh * hd),
-                      p + "self_attn.q_norm.weight": 1 + w(hd), p + "self_attn.k_norm.weight": 1 + w(hd),
-                      p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-                      p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": 1 + w(h),
-                      p + "post_attention_layernorm.weight": 1 + w(h)})
+    state.update(dflash_layer_state(w, t["num_hidden_layers"], h, nh, nkv, hd, inter))
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
