@@ -12,7 +12,8 @@ import click
 
 from export.drafter_quant import DRAFTER_PRECISIONS
 from export.genai_target import CLI_PRECISIONS
-from export.pipeline import DEFAULT_TARGET_PRECISION, DTYPES, EXPORT_LOG, FAMILIES, ExportConfig, ExportError, run_export
+from export.pipeline import (DEFAULT_TARGET_PRECISION, DTYPES, EXPORT_LOG, FAMILIES, ExportConfig, ExportError,
+                             phase_lines, run_export)
 from export.rewrite import QueryScaleRewriteError
 
 
@@ -47,14 +48,15 @@ from export.rewrite import QueryScaleRewriteError
               help="DFlash drafter graph's KV interface (as --target-kv-io; PARD / EAGLE-3 drafters are concat)")
 @click.option("--target-precision", type=click.Choice(CLI_PRECISIONS), default=None,
               help=f"target graph precision (default {DEFAULT_TARGET_PRECISION}): fp32 (sharpdraft's own graph, equal "
-                   "to transformers), int4 / int8 (weight-only MatMulNBits) or fp16, built by ONNX Runtime GenAI's "
-                   "model builder (see README); bf16 is refused with the reason")
+                   "to transformers), int4 / int8 (weight-only MatMulNBits), fp16 or bf16, built by ONNX Runtime "
+                   "GenAI's model builder (see README); bf16 is for GPU consumers: validated by an fp32 emulation, "
+                   "not run here")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="int4/int8: MatMulNBits activation precision (4 = int8 activations, the default; 1 = fp32)")
 @click.option("--drafter-precision", type=click.Choice(DRAFTER_PRECISIONS), default=None,
               help="drafter graph weights: int8 (MatMulNBits; with a quantized target its LM head is the target's "
-                   "own int4 rows), fp16 or fp32; default for DFlash: int8 with an int4/int8 target, fp16 with an "
-                   "fp16 one, else fp32")
+                   "own int4 rows), fp16, bf16 or fp32; default for DFlash: int8 with an int4/int8 target, the "
+                   "target's half precision with an fp16 / bf16 one, else fp32")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="both graphs in one float precision (instead of --target-precision / --drafter-precision)")
 @click.option("-v", "--verbose", is_flag=True,
@@ -79,9 +81,7 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                            target_kv_io=target_kv_io, drafter_kv_io=drafter_kv_io,
                            target_precision=target_precision, accuracy_level=accuracy_level,
                            drafter_precision=drafter_precision, dtype=dtype)
-        # phase lines: target, drafter, validation, and the lower-precision drafter graph when there is one
-        phases = 3 + (cfg.drafter_graph_precision != "fp32")
-        quiet = chatter_to_file(log_path, phases=phases) if log_path is not None and not verbose \
+        quiet = chatter_to_file(log_path, phases=phase_lines(cfg)) if log_path is not None and not verbose \
             else contextlib.nullcontext()
         with quiet:
             manifest = run_export(cfg)

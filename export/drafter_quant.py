@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-DRAFTER_PRECISIONS = ("fp32", "fp16", "int8")
+DRAFTER_PRECISIONS = ("fp32", "fp16", "bf16", "int8")  # bf16: export/bf16.py
 # fp16: the numerically sensitive parts stay float32 (inputs cast up, outputs cast down): the RMS norms'
 # square-and-mean (x^2 of a residual stream overflows float16's 65504), DFlash's ``fc`` (a sum over every tapped
 # target layer), the rotary angle and the query-scale subgraph (log of the key count, a per-row scalar)

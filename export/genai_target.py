@@ -1,19 +1,20 @@
-"""Builder target graphs (``--target-precision int4|int8|fp16``), written by ONNX Runtime GenAI's model builder.
+"""Builder target graphs (``--target-precision int4|int8|fp16|bf16``), written by ONNX Runtime GenAI's model builder.
 
 The builder (``python -m onnxruntime_genai.models.builder``, PyPI ``onnxruntime-genai``) writes the graph a CPU
 user of SmolLM2 would run anyway: weight-only ``MatMulNBits`` (block 32, symmetric), fused
 ``GroupQueryAttention`` with rotary inside, ``SkipSimplifiedLayerNormalization``, a quantized tied
 embedding (``GatherBlockQuantized``). fp16 targets are the builder's half-precision graph in its CUDA layout
 (``-e cuda``: the same fused ``GroupQueryAttention`` and shared past/present buffer, float16 inputs, outputs and KV
-cache), the form an ORT GenAI user of a GPU would build, which ONNX Runtime's CPU provider also runs; bf16 is refused
-(:func:`check_runnable`). sharpdraft drives that graph itself (runtime/ort_engines.py, kv_io "shared"); the
+cache), the form an ORT GenAI user of a GPU would build, which ONNX Runtime's CPU provider also runs; bf16 is the
+same graph in bfloat16, which it does not run (export/bf16.py: validated by emulation, for CUDA / TensorRT
+consumers). sharpdraft drives that graph itself (runtime/ort_engines.py, kv_io "shared"); the
 builder's ``genai_config.json`` is kept, so ``target/`` also loads in ``onnxruntime_genai.Model``.
 
 Graph contract (kv_io "shared"):
     inputs   input_ids [batch, q_len] int64; attention_mask [batch, total_len] int64 whose row sums are the
              rows' lengths after this call (cached + q_len; ragged rows right-padded with 0);
-             past_key_values.{i}.key / .value [batch, kv_heads, capacity, head_dim] f32 (int4 / int8) or
-             f16 (fp16)
+             past_key_values.{i}.key / .value [batch, kv_heads, capacity, head_dim] f32 (int4 / int8),
+             f16 (fp16) or bf16 (bf16)
     outputs  logits [batch, q_len, vocab] and aux_hidden_states [batch, q_len, len(taps) * hidden] (only
              when the drafter reads target features); present.{i}.key / .value bound to the *same* buffers as
              the past (past_present_share_buffer): the graph writes the q_len new positions of row b at
@@ -39,15 +40,15 @@ from runtime.manifest import TARGET_PRECISIONS as PRECISIONS  # fp32 = export/gr
 
 log = logging.getLogger("sharpdraft.export")
 
-CLI_PRECISIONS = (*PRECISIONS, "bf16")  # bf16 is named so that it is refused with the reason (check_runnable)
+CLI_PRECISIONS = PRECISIONS
 
-BUILDER_PRECISIONS = ("int4", "int8", "fp16")
-HALF_PRECISIONS = ("fp16", "bf16")  # bf16: refused (check_runnable)
+BUILDER_PRECISIONS = ("int4", "int8", "fp16", "bf16")
+HALF_PRECISIONS = ("fp16", "bf16")  # bf16: written for CUDA / TensorRT, validated by emulation (export/bf16.py)
 # Graphs whose 1-token step must take the block path for speculative output to equal target-only output bit for bit
 # (runtime/ort_engines.py OrtTarget.min_q): int4 / int8 at accuracy_level 4 (below), and fp16 by construction: a
 # 1-row and a multi-row float16 product may accumulate in another order (SmolLM2 at fp16 on this CPU gave equal
 # greedy ids for 4 prompts x 200 tokens either way, which is evidence, not a guarantee; docs/quantized-target.md).
-MIN_Q_LEN = {"fp16": 2}
+MIN_Q_LEN = {"fp16": 2, "bf16": 2}
 # MatMulNBits accuracy_level: 4 = int8 activations (the builder's CPU default, fastest), 0/1 = fp32 compute.
 DEFAULT_ACCURACY_LEVEL = 4
 BLOCK_SIZE = 32
@@ -88,7 +89,6 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
         GenaiBuildError: onnxruntime-genai missing, the builder failed (its error line is quoted), or the
             graph lacks an expected input/output.
     """
-    check_runnable(precision)
     if precision not in BUILDER_PRECISIONS:
         raise GenaiBuildError(f"the model builder path writes {', '.join(BUILDER_PRECISIONS)} targets, not "
                               f"{precision!r}")
@@ -125,19 +125,6 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
     shutil.rmtree(cache, ignore_errors=True)
     return graph_io(out_dir / "model.onnx", num_layers, bool(aux), precision, None if half else accuracy_level,
                     builder_options=extra, execution_provider=execution_provider)
-
-
-def check_runnable(precision: str) -> None:
-    """Refuse a builder precision the sharpdraft runtime cannot drive (so the export could not validate it).
-
-    Raises:
-        GenaiBuildError: bf16. ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Add, Where, ...), and on
-            any provider the runtime's KV buffers are numpy arrays, which have no bfloat16 type for IOBinding.
-    """
-    if precision == "bf16":
-        raise GenaiBuildError("--target-precision bf16: sharpdraft's ONNX Runtime loop cannot run bfloat16 graphs "
-                              "(no CPU kernels; numpy KV buffers have no bfloat16), so the export could not validate "
-                              "it; use fp16 (the same graph in float16), int4 or fp32")
 
 
 def graph_io(path: Path, num_layers: int, taps: bool, precision: str, accuracy_level: int | None,
@@ -232,6 +219,8 @@ def find_shared_weights(target_onnx: Path) -> dict:
             if t.op_type == "Transpose" and t.input[0] in inits:
                 embed = {"graph": "target", "initializer": t.input[0], "transpose": True}
     node = producers.get("logits")
+    while node is not None and node.op_type == "Cast":  # bf16 graphs return their logits cast to fp32
+        node = producers.get(node.input[0])
     if node is not None and node.op_type == "MatMulNBits":
         lm_head = spec(node)
     elif node is not None and node.op_type == "MatMul" and node.input[1] in inits:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import gc
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ log = logging.getLogger("sharpdraft.export")
 FAMILIES = tuple(f.value for f in Family)
 EXPORT_LOG = "export.log"  # the exporters' own output (export/cli.py), not covered by the manifest
 DEFAULT_TARGET_PRECISION = "int4"  # measured by scripts/bench_peers.py (docs/quantized-target.md)
-DTYPES = ("fp32", "fp16", "bf16")  # --dtype: both graphs in one float precision (bf16 is refused with its reason)
+DTYPES = ("fp32", "fp16", "bf16")  # --dtype: both graphs in one float precision (bf16: export/bf16.py)
 __all__ = ["DEFAULT_TARGET_PRECISION", "ExportConfig", "ExportError", "run_export", "load_drafter"]
 
 
@@ -63,12 +64,8 @@ class ExportConfig:
         self._resolve_dtype()
         if self.target_kv_io not in (KvIo.AUTO, KvIo.STATIC, KvIo.CONCAT):
             raise ExportError(f"target_kv_io must be auto, static or concat, not {self.target_kv_io!r}")
-        from export.genai_target import PRECISIONS, GenaiBuildError, check_runnable
+        from export.genai_target import PRECISIONS
 
-        try:
-            check_runnable(self.target_precision)
-        except GenaiBuildError as e:
-            raise ExportError(str(e)) from e
         if self.target_precision not in PRECISIONS:
             raise ExportError(f"--target-precision must be one of {', '.join(PRECISIONS)}, not "
                               f"{self.target_precision!r}")
@@ -108,12 +105,11 @@ class ExportConfig:
             raise ExportError("--dtype sets both graphs' precision: drop --target-precision / --drafter-precision, "
                               "or drop --dtype")
         self.target_precision = self.dtype
-        if self.dtype != "bf16":  # bf16 is refused with its reason by the target check
-            self.drafter_precision = self.dtype if self.dtype in self.spec.drafter_precisions else None
-            if self.drafter_precision is None:
-                raise ExportError(f"--dtype {self.dtype}: {self.family.value} drafters export in "
-                                  f"{' or '.join(self.spec.drafter_precisions)} only; use --target-precision "
-                                  f"{self.dtype} alone")
+        self.drafter_precision = self.dtype if self.dtype in self.spec.drafter_precisions else None
+        if self.drafter_precision is None:
+            raise ExportError(f"--dtype {self.dtype}: {self.family.value} drafters export in "
+                              f"{' or '.join(self.spec.drafter_precisions)} only; use --target-precision "
+                              f"{self.dtype} alone")
 
     @property
     def spec(self) -> DrafterFamily:
@@ -122,11 +118,11 @@ class ExportConfig:
 
     @property
     def drafter_graph_precision(self) -> str:
-        """The drafter graph's precision: the option, else int8 for an int4 / int8 target and fp16 for an fp16
-        target where the family has it, else fp32."""
+        """The drafter graph's precision: the option, else int8 for an int4 / int8 target and the target's half
+        precision for an fp16 / bf16 target where the family has it, else fp32."""
         if self.drafter_precision is not None:
             return self.drafter_precision
-        wanted = {"int4": "int8", "int8": "int8", "fp16": "fp16"}.get(self.target_precision, "fp32")
+        wanted = {"int4": "int8", "int8": "int8", "fp16": "fp16", "bf16": "bf16"}.get(self.target_precision, "fp32")
         return wanted if wanted in self.spec.drafter_precisions else "fp32"
 
 
@@ -241,11 +237,19 @@ def _check_out(out: Path) -> None:
         raise ExportError(f"--out {out}: {parent} is not writable ({e.strerror}); choose a writable folder") from e
 
 
+def phase_lines(cfg: ExportConfig) -> int:
+    """How many phase lines (INFO records ending in "...") :func:`run_export` logs for ``cfg``: target graph, its
+    validation, drafter graph, its validation, and the lower-precision drafter graph when there is one (the CLI's
+    progress bar counts them)."""
+    return 4 + (cfg.drafter_graph_precision != "fp32")
+
+
 def run_export(cfg: ExportConfig) -> dict:
     """Export, rewrite, validate and write the engines folder. Returns the manifest. Raises ExportError.
 
-    Phases: load and check the pair (seconds; every refusal happens here, before a graph is built), build the
-    target graph, export and rewrite the drafter graph, validate both, write the folder atomically. What differs
+    Phases: load and check the pair (seconds; every refusal happens here, before a graph is built), build and
+    validate the target graph (then the torch target's layers are released: memory holds one model at a time),
+    export, rewrite and validate the drafter graph, write the folder atomically. What differs
     between families is asked of ``cfg.spec`` (export/families/).
     """
     from export.rewrite import rewrite_file
@@ -263,6 +267,16 @@ def run_export(cfg: ExportConfig) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
         target_io = _export_target_graph(cfg, target, taps, tmp / "target")
+        log.info("validating the target graph (ORT vs torch) ...")
+        validation = {"target": _validate_target(cfg, target, taps, tmp / "target" / "model.onnx", target_io, tok)}
+        tables, embed, lm_head = _shared_tables(cfg, target, tmp / "target" / "model.onnx")
+        quant_feed = (None if cfg.drafter_graph_precision == "fp32"
+                      else fam.quantization_feed(drafter, target, tok, embed, lm_head, draft_ids))
+        # What the rest reads of the target is its config and the two tables: its layers go now, so the drafter's
+        # export and validation never hold a second model (a 2.8 B target is 11 GB in fp32).
+        target_config, generation_config = target.config, target.generation_config
+        del target
+        gc.collect()
         log.info("exporting drafter ...")
         drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
         switch = "query_scale_enabled" if profile.enabled else None
@@ -276,19 +290,17 @@ def run_export(cfg: ExportConfig) -> dict:
         elif draft_ids is not None:  # a draft vocabulary the checkpoint states another way (speculators' d2t)
             (tmp / "drafter" / DRAFT_VOCAB_FILE).write_text(json.dumps(
                 {"draft_ids": draft_ids.tolist(), "source": "the checkpoint's d2t (speculators format)"}) + "\n")
-        shared, embed, lm_head = _shared_tables(cfg, target, tmp / "target" / "model.onnx", drafter_io)
-        log.info("validating (ORT vs torch) ...")
-        drafter_check = fam.validate(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile, embed, lm_head,
-                                     draft_ids)
-        validation = {"target": _validate_target(cfg, target, taps, tmp / "target" / "model.onnx", target_io, tok),
-                      "drafter": drafter_check}
+        shared = {name: spec for name, spec in tables.items() if name in drafter_io["inputs"]}
+        log.info("validating the drafter graph (ORT vs torch) ...")
+        validation["drafter"] = fam.validate(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile, embed,
+                                             lm_head, draft_ids)
         fused = None  # checked against the fp32 drafter graph, so before it is quantized
         if cfg.fused_attention:
             fused = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed, lm_head,
                                    validation)
         if cfg.drafter_graph_precision != "fp32":
             validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(
-                cfg, drafter, target, tok, tmp, scratch, drafter_io, shared, embed, lm_head, draft_ids)
+                cfg, tmp, scratch, drafter_io, shared, draft_ids, quant_feed)
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
         graphs.update({name: _graph_entry(tmp, tmp / name / "model.onnx", io) for name, io in extra_io.items()})
@@ -299,7 +311,8 @@ def run_export(cfg: ExportConfig) -> dict:
         entry["verify_draft_tokens"] = int(verify or k)
         if draft_ids is not None:
             entry["draft_vocab"] = {"file": f"drafter/{DRAFT_VOCAB_FILE}", "size": int(draft_ids.size)}
-        manifest = _manifest(cfg, entry, target, tok, profile, profile_source, counts, shared, validation, graphs,
+        manifest = _manifest(cfg, entry, target_config, generation_config, tok, profile, profile_source, counts,
+                             shared, validation, graphs,
                              fam.num_keys_text(drafter))
         try:  # the writer meets the schema the runtime reads (runtime/manifest.py)
             manifest = Manifest.from_dict(manifest).to_dict()
@@ -359,10 +372,11 @@ def _export_target_graph(cfg: ExportConfig, target, taps: list[int], out_dir: Pa
     return export_target(target, taps, out_dir / "model.onnx", kv_io=cfg.target_kv_io)
 
 
-def _shared_tables(cfg: ExportConfig, target, target_onnx: Path, drafter_io: dict):
-    """The target tables the drafter graph reads as inputs: ``(manifest shared_weights, embed, lm_head)``, the
-    tables float32 ``[vocab, hidden]`` torch tensors as the runtime will feed them (an int4 / int8 target's own
-    dequantized tables, so the drafter is validated on what it will run with)."""
+def _shared_tables(cfg: ExportConfig, target, target_onnx: Path):
+    """The target tables a drafter graph may read as inputs: ``(shared_weights specs, embed, lm_head)``, the
+    tables float32 ``[vocab, hidden]`` torch tensors as the runtime will feed them (an int4 / int8 / fp16 target's
+    own tables, dequantized or widened, so the drafter is validated on what it will run with). The caller keeps the
+    specs of the inputs its drafter graph reads."""
     if cfg.target_precision != "fp32":
         from export.genai_target import find_shared_weights as find_quantized_weights
         from runtime.shared_tables import load_shared_table
@@ -373,23 +387,21 @@ def _shared_tables(cfg: ExportConfig, target, target_onnx: Path, drafter_io: dic
             shared = find_quantized_weights(target_onnx)
         except GenaiBuildError as e:
             raise ExportError(str(e)) from e
-        shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
         tables = {name: torch.from_numpy(np.array(load_shared_table(target_onnx, spec)))
                   for name, spec in shared.items()}
         embed = tables.get("embed_weight", target.get_input_embeddings().weight.detach())
         lm_head = tables.get("lm_head_weight", target.get_output_embeddings().weight.detach())
         return shared, embed, lm_head
-    shared = find_shared_weights(target_onnx)
-    shared = {name: spec for name, spec in shared.items() if name in drafter_io["inputs"]}
-    return shared, target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    return (find_shared_weights(target_onnx), target.get_input_embeddings().weight.detach(),
+            target.get_output_embeddings().weight.detach())
 
 
-def _quantize_drafter(cfg: ExportConfig, drafter, target, tok, tmp: Path, scratch: Path, drafter_io: dict,
-                      shared: dict, embed, lm_head, draft_ids) -> dict:
+def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: dict, shared: dict, draft_ids,
+                      feed: dict) -> dict:
     """Replace ``drafter/model.onnx`` (validated fp32) by its int8 or fp16 form (export/drafter_quant.py) and measure
-    how often it drafts the fp32 graph's tokens on real text. Updates ``drafter_io`` (precision, quantization, an LM
-    head moved into the graph) and ``shared`` in place; returns ``validation.drafter_<precision>``. Raises
-    ExportError."""
+    how often it drafts the fp32 graph's tokens on real text (``feed``: the family's ``quantization_feed``, built
+    while the target was loaded). Updates ``drafter_io`` (precision, quantization, an LM head moved into the graph)
+    and ``shared`` in place; returns ``validation.drafter_<precision>``. Raises ExportError."""
     from export.drafter_quant import (LM_HEAD_INPUT, MIN_SLOT1_AGREEMENT, DrafterQuantError, half_drafter_graph,
                                       proposal_agreement, quantize_drafter_graph)
 
@@ -403,16 +415,29 @@ def _quantize_drafter(cfg: ExportConfig, drafter, target, tok, tmp: Path, scratc
     float_dir.mkdir()
     for f in (tmp / "drafter").glob("model.onnx*"):
         shutil.move(f, float_dir / f.name)
+    checked = tmp / "drafter" / "model.onnx"  # the graph whose proposals are compared with the fp32 graph's
     try:
         if precision == "int8":
             info = quantize_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx",
                                           shared.get(LM_HEAD_INPUT), tmp / "target" / "model.onnx", draft_ids)
+        elif precision == "bf16":  # fp16's node choices retyped; checked on CPU by its fp32 emulation
+            from export.bf16 import EMULATION_NOTE, Bf16Error, check_types, to_bf16_drafter, widen_bf16
+
+            half_drafter_graph(float_dir / "model.onnx", scratch / "drafter-fp16" / "model.onnx")
+            try:
+                info = to_bf16_drafter(scratch / "drafter-fp16" / "model.onnx", float_dir / "model.onnx",
+                                       tmp / "drafter" / "model.onnx")
+                check_types(tmp / "drafter" / "model.onnx")
+                checked = scratch / "drafter-bf16-emulation" / "model.onnx"
+                widen_bf16(tmp / "drafter" / "model.onnx", checked)
+            except Bf16Error as e:
+                raise ExportError(str(e)) from e
+            info["emulation"] = EMULATION_NOTE
         else:
             info = half_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx")
     except DrafterQuantError as e:
         raise ExportError(str(e)) from e
-    feed = cfg.spec.quantization_feed(drafter, target, tok, embed, lm_head, draft_ids)
-    check = proposal_agreement(float_dir / "model.onnx", tmp / "drafter" / "model.onnx", feed)
+    check = proposal_agreement(float_dir / "model.onnx", checked, feed)
     check["min_slot1_agreement"] = MIN_SLOT1_AGREEMENT
     if check["slot_top1_agreement"][0] < MIN_SLOT1_AGREEMENT:
         raise ExportError(f"the {precision} drafter graph drafts the fp32 graph's first token at "
@@ -432,6 +457,15 @@ def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io:
     from export.validate import validate_shared_target, validate_target
 
     try:
+        if cfg.target_precision == "bf16":  # no CPU kernels: the same graph widened to fp32 (export/bf16.py)
+            from export.bf16 import EMULATION_NOTE, widen_bf16
+
+            emulated = path.parent.parent / ".target-bf16-emulation" / "model.onnx"
+            try:
+                widen_bf16(path, emulated)
+                return {**validate_shared_target(target, taps, emulated, io, tok), "emulation": EMULATION_NOTE}
+            finally:
+                shutil.rmtree(emulated.parent, ignore_errors=True)
         if cfg.target_precision != "fp32":
             return validate_shared_target(target, taps, path, io, tok)
         return validate_target(target, taps, path, io)
@@ -444,7 +478,7 @@ def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io:
 
 def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir: Path) -> dict:
     """``target/`` from ONNX Runtime GenAI's model builder (export/genai_target.py). Raises ExportError."""
-    from export.genai_target import DEFAULT_ACCURACY_LEVEL, GenaiBuildError, build_target, write_note
+    from export.genai_target import DEFAULT_ACCURACY_LEVEL, HALF_PRECISIONS, GenaiBuildError, build_target, write_note
     from runtime.models.target import TargetLoadError, resolve_target
 
     try:
@@ -453,7 +487,7 @@ def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir:
         raise ExportError(str(e)) from e
     level = DEFAULT_ACCURACY_LEVEL if cfg.accuracy_level is None else cfg.accuracy_level
     log.info("building the %s target with ONNX Runtime GenAI's model builder%s ...", cfg.target_precision,
-             "" if cfg.target_precision == "fp16" else f" (accuracy_level {level})")
+             "" if cfg.target_precision in HALF_PRECISIONS else f" (accuracy_level {level})")
     try:
         io = build_target(hf_dir, out_dir, cfg.target_precision, taps, target.config.num_hidden_layers, level)
     except GenaiBuildError as e:
@@ -557,10 +591,9 @@ def _replace_dir(new: Path, out: Path) -> dict:
     return {"replaced": True, "exchange": exchanged, "extra_files": extra, "kept_at": str(kept) if kept else None}
 
 
-def _manifest(cfg, drafter_entry, target, tok, profile, profile_source, counts, shared, validation, graphs,
-              num_keys: str) -> dict:
-    t = target.config
-    gen_eos = getattr(target.generation_config, "eos_token_id", None)
+def _manifest(cfg, drafter_entry, t, generation_config, tok, profile, profile_source, counts, shared, validation,
+              graphs, num_keys: str) -> dict:
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     eos_ids = sorted(i for i in {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
                      if i is not None)
     return {

@@ -27,7 +27,7 @@ from runtime.modes import KvIo
 
 SCHEMA_VERSION = 2  # 2: typed sections (this module), drafter.family / graph kv_io / target.precision required
 MANIFEST = "manifest.json"
-TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+TARGET_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")  # bf16: export only (export/bf16.py)
 
 
 class EngineDirError(RuntimeError):

@@ -92,6 +92,13 @@ class _Graph:
                  threads: int | None):
         import onnxruntime as ort
 
+        if graph.get("precision") == "bf16":  # export/bf16.py: written for CUDA / TensorRT consumers
+            from runtime.manifest import EngineDirError
+
+            raise EngineDirError(f"{engine_dir}: its {self.role} graph is bf16, which the sharpdraft runtime cannot "
+                                 "run (ONNX Runtime's CPU provider has no bf16 kernels and its KV buffers are numpy "
+                                 "arrays, which have no bf16 type); the folder is for TensorRT / CUDA consumers: "
+                                 "export --dtype fp16 (the same graphs in float16) or fp32 to run it here")
         self.session = ort.InferenceSession(str(engine_dir / graph["file"]), session_options(threads, self.role),
                                             providers=providers(device))
         self.num_layers, self.kv_heads, self.head_dim = dims

@@ -22,7 +22,7 @@ class DFlashFamily(DrafterFamily):
     fused_attention = True
     draft_tokens_option = False
     calibration_proxy = "proxy_mal"
-    drafter_precisions = ("fp32", "fp16", "int8")
+    drafter_precisions = ("fp32", "fp16", "bf16", "int8")
 
     def load(self, ckpt: Path):
         from runtime.models.dflash import load_dflash

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from export.cli import main as export_cli
-from export.pipeline import ExportConfig, ExportError, run_export
+from export.pipeline import ExportConfig, ExportError, phase_lines, run_export
 from plugins.rule import QueryScaleProfile
 from runtime.manifest import load_manifest
 from runtime.models.dflash import load_dflash
@@ -254,10 +254,13 @@ def test_replacing_a_folder_keeps_extra_files_and_says_so(tmp_path, tiny_engines
     shutil.copytree(tiny_engines, out)
     (out / "NOTES.md").write_text("my notes")
     (out / "target" / "profile.json").write_text("{}")
+    cfg = ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir,
+                       target=str(tiny_target_dir), ref_keys=48)
     with caplog.at_level("INFO", logger="sharpdraft.export"):
-        run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir,
-                                target=str(tiny_target_dir), ref_keys=48))
+        run_export(cfg)
     assert load_manifest(out)["query_scale"]["ref_keys"] == 48 and not (out / "NOTES.md").exists()
+    # the CLI's progress bar has as many phases as the export logs phase lines
+    assert sum(r.getMessage().endswith("...") for r in caplog.records) == phase_lines(cfg) == 4
     kept = tmp_path / ".e.previous"
     assert (kept / "NOTES.md").read_text() == "my notes" and (kept / "target" / "profile.json").is_file()
     assert "NOTES.md, target/profile.json" in caplog.text and str(kept) in caplog.text

@@ -1,4 +1,4 @@
-"""--dtype / --target-precision fp16 / --drafter-precision fp16 on the tiny pair, and the bf16 refusal."""
+"""--dtype / --target-precision fp16 / --drafter-precision fp16 on the tiny pair; --dtype bf16 (export/bf16.py)."""
 import json
 import subprocess
 import sys
@@ -73,20 +73,70 @@ def test_fp16_tables_are_widened_to_float32(tiny_fp16_engines, tiny_target_dir):
         np.testing.assert_allclose(t, w.astype(np.float16).astype(np.float32), rtol=0, atol=0)
 
 
-def test_dtype_options_conflict_and_bf16_is_refused_with_its_reason(tmp_path, tiny_dflash_dir, tiny_target_dir):
+def test_dtype_options_conflict(tmp_path):
     with pytest.raises(ExportError, match="--dtype sets both"):
         ExportConfig(family="dflash", out=tmp_path / "e", dtype="fp16", target_precision="int4")
     with pytest.raises(ExportError, match="pard drafters export in fp32"):
         ExportConfig(family="pard", out=tmp_path / "e", dtype="fp16")
+    with pytest.raises(ExportError, match="eagle3 drafters export in fp32"):
+        ExportConfig(family="eagle3", out=tmp_path / "e", dtype="bf16")
     assert ExportConfig(family="dflash", out=tmp_path / "e", target_precision="fp16").drafter_graph_precision == "fp16"
+    assert ExportConfig(family="dflash", out=tmp_path / "e", target_precision="bf16").drafter_graph_precision == "bf16"
     assert ExportConfig(family="pard", out=tmp_path / "e", target_precision="fp16").drafter_graph_precision == "fp32"
-    out = tmp_path / "e"
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_engines(tmp_path_factory, tiny_target_dir, tiny_dflash_dir):
+    out = tmp_path_factory.mktemp("bf16") / "engines"
     r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", "dflash", "--checkpoint", str(tiny_dflash_dir),
-                        "--target", str(tiny_target_dir), "--out", str(out), "--dtype", "bf16"],
+                        "--target", str(tiny_target_dir), "--out", str(out), "--dtype", "bf16", "--ref-keys", "64"],
                        capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr.startswith("sharpdraft-export: error: --target-precision bf16")
-    assert "use fp16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert not out.exists() and not list(tmp_path.glob(".e.*"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def test_bf16_folder_holds_bf16_graphs_checked_by_emulation(tiny_bf16_engines, tiny_dflash_dir):
+    import ml_dtypes
+    import onnx
+    from onnx import numpy_helper
+    from safetensors.torch import load_file
+
+    m = json.loads((tiny_bf16_engines / "manifest.json").read_text())
+    t, d = m["graphs"]["target"], m["graphs"]["drafter"]
+    assert (m["target"]["precision"], t["precision"], t["kv_io"], d["precision"]) == ("bf16", "bf16", "shared", "bf16")
+    g = onnx.load(str(tiny_bf16_engines / "target" / "model.onnx"), load_external_data=False)
+    past = next(i for i in g.graph.input if i.name.startswith("past_key_values"))
+    assert past.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    dg = onnx.load(str(tiny_bf16_engines / "drafter" / "model.onnx"))
+    bf = {i.name: i for i in dg.graph.initializer if i.data_type == onnx.TensorProto.BFLOAT16}
+    assert len(bf) >= 8 and not any(i.data_type == onnx.TensorProto.FLOAT16 for i in dg.graph.initializer)
+    assert all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT or i.type.tensor_type.elem_type
+               == onnx.TensorProto.INT64 for i in dg.graph.input)  # io stays fp32 / int64
+    onnx.checker.check_model(dg, full_check=True)  # every op takes bf16 where it is given bf16
+    # each bf16 weight is its checkpoint value rounded once (not via fp16): some checkpoint tensor matches it
+    weights = {k: v.float().numpy() for k, v in load_file(str(tiny_dflash_dir / "model.safetensors")).items()}
+    rounded = [w.astype(ml_dtypes.bfloat16) for w in weights.values() if w.ndim == 2]
+    matched = 0
+    for init in bf.values():
+        arr = numpy_helper.to_array(init)
+        matched += any(r.shape == arr.shape and np.array_equal(r.view(np.uint16), arr.view(np.uint16))
+                       or r.T.shape == arr.shape and np.array_equal(r.T.view(np.uint16), arr.view(np.uint16))
+                       for r in rounded)
+    assert matched >= 8
+    v = m["validation"]
+    assert "emulation" in v["target"] and v["target"]["top1_agreement_fp32"] >= 0.9
+    q = v["drafter_bf16"]
+    assert q["slot_top1_agreement"][0] >= q["min_slot1_agreement"] and "emulation" in d["quantization"]
+
+
+def test_the_runtime_refuses_a_bf16_folder_in_one_line(tiny_bf16_engines):
+    from runtime.manifest import EngineDirError
+
+    with pytest.raises(EngineDirError, match="graph is bf16.*export --dtype fp16"):
+        SpecEngine.from_dir(tiny_bf16_engines)
+    r = subprocess.run([sys.executable, "-m", "runtime.generate", "--engine", str(tiny_bf16_engines), "--prompt", "hi",
+                        "--max-new-tokens", "4"], capture_output=True, text=True)
+    assert r.returncode != 0 and "graph is bf16" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_target_graph_onnx_runtime_cannot_run_is_one_export_error(monkeypatch, tmp_path):

@@ -35,12 +35,12 @@ def test_phases_follow_the_export_progress_lines():
         time.sleep(0.05)
         log.info("query-scale rewrite: {...}")  # not a phase line
         del blob
-        log.info("validating (ORT vs torch) ...")
+        log.info("validating the drafter graph (ORT vs torch) ...")
     finally:
         log.removeHandler(handler)
     phases = meter.close()
     names = [p["phase"] for p in phases]
-    assert names == ["start", "exporting drafter", "validating (ORT vs torch)"]
+    assert names == ["start", "exporting drafter", "validating the drafter graph (ORT vs torch)"]
     assert phases[1]["peak_rss_gb"] >= phases[0]["peak_rss_gb"] + 0.05
 
 
