@@ -89,10 +89,14 @@ def refuse_lookalikes(d: dict[str, Any]) -> None:
     if "DFlash2" in arch or any(k in dcfg for k in ("conv_kernel_size", "selector_rank", "selector_top_k")):
         raise CheckpointError(f"{arch or 'this config'} is a DFlash2 drafter: sharpdraft supports DFlash v1 only "
                               "(missing: the per-layer attention_conv / mlp_conv kernels and the candidate_selector "
-                              "that re-ranks block candidates); it cannot be loaded as plain DFlash")
+                              "that re-ranks block candidates); it cannot be loaded as plain DFlash. ONNX Runtime "
+                              "GenAI's model builder (0.18) exports it with its target for ORT GenAI's own CUDA "
+                              "loop: --extra_options use_paged_attention=true dflash2_path=DIR")
     if "DSpark" in arch or "markov_rank" in d or "markov_head_type" in d:
         raise CheckpointError(f"{arch or 'this config'} is a DSpark drafter: not supported (missing: its Markov head, "
-                              "confidence head and own embedding / LM head); it cannot be loaded as plain DFlash")
+                              "confidence head and own embedding / LM head); it cannot be loaded as plain DFlash. "
+                              "ONNX Runtime GenAI's model builder (0.18) exports it with its target for ORT GenAI's "
+                              "own CUDA loop: --extra_options use_paged_attention=true dspark_path=DIR")
     kind = d.get("speculators_model_type")
     if kind is not None and kind != Family.DFLASH:
         known = kind in {f.value for f in Family}
