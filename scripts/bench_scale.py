@@ -222,9 +222,12 @@ def run_pair(work: Path, precision: str, prompts: int, new_tokens: int, case: st
             mal.append(spec.stats.mean_accepted_length)
     phases = meter.close()
     log.removeHandler(handler)
+    import resource  # the model builder runs in a child process, outside this process's RSS
+
+    child_gb = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20, 2)
     v = manifest["validation"]
     return {"case": case, "precision": precision, "export_s": round(export_s, 1), "phases": phases,
-            "peak_rss_gb": max(p["peak_rss_gb"] for p in phases),
+            "peak_rss_gb": max(p["peak_rss_gb"] for p in phases), "builder_peak_rss_gb": child_gb,
             "folder_gb": {"target": _gb(out / "target"), "drafter": _gb(out / "drafter")},
             "validation": {"target": v["target"], "drafter_points": v["drafter"]["points"],
                            **{k: v[k] for k in v if k.startswith("drafter_") and k != "drafter"}},
@@ -361,7 +364,8 @@ def _row(r: dict) -> str:
         return f"{r['case']:8s} {r['precision']:5s} failed ({r['error']})"
     phases = ", ".join(f"{p['phase']} {p['seconds']}s/{p['peak_rss_gb']}GB" for p in r["phases"] if p["phase"]
                        not in ("start", ""))
-    extra = (f"lossless {all(r['lossless'])}, folder {r['folder_gb']}" if r["case"].startswith("pair")
+    loop = f"lossless {all(r['lossless'])}" if r.get("lossless") else "no loop (bf16: runtime refuses)"
+    extra = (f"{loop}, folder {r['folder_gb']}" if r["case"].startswith("pair")
              else f"{r['parameters_b']} B params, fp32 graph {r['fp32_graph_gb']} GB")
     return f"{r['case']:8s} {r['precision']:5s} peak {r['peak_rss_gb']} GB; {extra}; {phases}"
 

@@ -7,7 +7,7 @@ import pytest
 
 from export.validate import DRAFTER_ATOL, DRAFTER_RTOL, drafter_bound
 from runtime.models.dflash import DFlashConfig
-from scripts.bench_scale import DFLASH_8B, QWEN3_0_6B, PeakRss, _PhaseLog, dflash_config
+from scripts.bench_scale import DFLASH_8B, QWEN3_0_6B, QWEN3_8B_CUT, PeakRss, _PhaseLog, dflash_config
 
 
 def test_the_scale_shapes_are_the_published_ones():
@@ -21,6 +21,18 @@ def test_the_scale_shapes_are_the_published_ones():
     small = DFlashConfig.from_dict(dflash_config(1024, 16, 8, 128, 3072, QWEN3_0_6B["num_hidden_layers"]))
     assert small.hidden_size == QWEN3_0_6B["hidden_size"] and small.block_size == real.block_size == 16
     assert len(small.target_layer_ids) == 5 and max(small.target_layer_ids) < QWEN3_0_6B["num_hidden_layers"] - 1
+
+
+def test_the_8b_cut_target_keeps_qwen3_8b_layers_and_the_drafter_taps_fit():
+    cut = QWEN3_8B_CUT
+    h, inter, heads, kv = cut["hidden_size"], cut["intermediate_size"], cut["num_attention_heads"], \
+        cut["num_key_value_heads"]
+    assert (h, inter, heads, kv, cut["head_dim"], cut["vocab_size"]) == (4096, 12288, 32, 8, 128, 151936)
+    layer = 2 * h * heads * 128 + 2 * h * kv * 128 + 3 * h * inter
+    params = cut["num_hidden_layers"] * layer + 2 * cut["vocab_size"] * h  # untied tables, as Qwen3-8B's
+    assert 2.7e9 < params < 2.9e9 and not cut["tie_word_embeddings"]
+    taps = dflash_config(h, heads, kv, 128, inter, cut["num_hidden_layers"])["dflash_config"]["target_layer_ids"]
+    assert taps == [1, 2, 3, 4, 5] and max(taps) < cut["num_hidden_layers"]
 
 
 def test_phases_follow_the_export_progress_lines():
