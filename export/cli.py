@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from export.drafter_quant import DRAFTER_PRECISIONS
-from export.genai_target import CLI_PRECISIONS
+from export.genai_target import PRECISIONS
 from export.pipeline import (DEFAULT_TARGET_PRECISION, DTYPES, EXPORT_LOG, FAMILIES, ExportConfig, ExportError,
                              phase_lines, run_export)
 from export.rewrite import QueryScaleRewriteError
@@ -46,7 +46,7 @@ from export.rewrite import QueryScaleRewriteError
                    "where supported")
 @click.option("--drafter-kv-io", type=click.Choice(["static", "concat"]), default="static", show_default=True,
               help="DFlash drafter graph's KV interface (as --target-kv-io; PARD / EAGLE-3 drafters are concat)")
-@click.option("--target-precision", type=click.Choice(CLI_PRECISIONS), default=None,
+@click.option("--target-precision", type=click.Choice(PRECISIONS), default=None,
               help=f"target graph precision (default {DEFAULT_TARGET_PRECISION}): fp32 (sharpdraft's own graph, equal "
                    "to transformers), int4 / int8 (weight-only MatMulNBits), fp16 or bf16, built by ONNX Runtime "
                    "GenAI's model builder (see README); bf16 is for GPU consumers: validated by an fp32 emulation, "

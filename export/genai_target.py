@@ -40,8 +40,6 @@ from runtime.manifest import TARGET_PRECISIONS as PRECISIONS  # fp32 = export/gr
 
 log = logging.getLogger("sharpdraft.export")
 
-CLI_PRECISIONS = PRECISIONS
-
 BUILDER_PRECISIONS = ("int4", "int8", "fp16", "bf16")
 HALF_PRECISIONS = ("fp16", "bf16")  # bf16: written for CUDA / TensorRT, validated by emulation (export/bf16.py)
 # Graphs whose 1-token step must take the block path for speculative output to equal target-only output bit for bit
