@@ -7,6 +7,7 @@ is checked in tests/e2e/test_int4_pair.py.
 """
 import os
 import socket
+import shutil
 import subprocess
 import sys
 
@@ -36,12 +37,14 @@ def export_cli(out, *args: str):
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_engines(tmp_path_factory):
-    return export_cli(tmp_path_factory.mktemp("real") / "engines", "--target-precision", "fp32")
+    tmp = tmp_path_factory.mktemp("real")
+    yield export_cli(tmp / "engines", "--target-precision", "fp32")
+    shutil.rmtree(tmp, ignore_errors=True)  # ~0.6 GB: freed when the module ends, not when the session does
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine(real_engines):
     return SpecEngine.from_dir(real_engines, check_invariants=True)
 

@@ -1,6 +1,7 @@
 """End to end for the PARD and EAGLE-3 demo drafters on the real target (SmolLM2-135M-Instruct): export with the
 CLI, then speculative greedy ids == target-only greedy ids == transformers' greedy ``generate`` (fp32) on 5 real
 prompts, with loop invariants checked every round, and a ragged batch equal to the solo runs."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,14 @@ def engine(request, tmp_path_factory):
     family = request.param
     if not (ROOT / "drafters" / f"{family}-smollm2-135m" / "config.json").is_file():
         pytest.skip(f"no shipped {family} demo drafter")
-    out = tmp_path_factory.mktemp(family) / "engines"
+    tmp = tmp_path_factory.mktemp(family)
+    out = tmp / "engines"
     r = subprocess.run([sys.executable, "-m", "export.cli", "--drafter", family, "--out", str(out),
                         "--target-precision", "fp32"],
                        capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    return SpecEngine.from_dir(out, check_invariants=True)
+    yield SpecEngine.from_dir(out, check_invariants=True)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_lossless_on_real_prompts(engine):

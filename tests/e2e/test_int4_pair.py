@@ -7,6 +7,7 @@ it (every call with >= 2 query rows, the folder's ``min_q_len``; docs/quantized-
 the shared-buffer IOBinding drives the graph as its authors do.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -24,7 +25,9 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def int4_engines(tmp_path_factory):
-    return export_cli(tmp_path_factory.mktemp("int4") / "engines")  # the CLI's default precision
+    tmp = tmp_path_factory.mktemp("int4")
+    yield export_cli(tmp / "engines")  # the CLI's default precision
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
