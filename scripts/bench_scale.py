@@ -63,7 +63,7 @@ class PeakRss:
     def __init__(self, period: float = 0.05):
         self.period, self.peak, self.phases = period, 0, []
         self.name, self.t0 = "start", time.perf_counter()
-        self._stop = threading.Event()
+        self._stop, self._lock = threading.Event(), threading.Lock()
         threading.Thread(target=self._run, daemon=True).start()
 
     @staticmethod
@@ -73,15 +73,17 @@ class PeakRss:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            with self._lock:  # a sample taken before phase() must not leak into the next phase
+                self.peak = max(self.peak, self.rss())
             time.sleep(self.period)
 
     def phase(self, next_name: str) -> None:
-        self.peak = max(self.peak, self.rss())
-        now = time.perf_counter()
-        self.phases.append({"phase": self.name, "seconds": round(now - self.t0, 1),
-                            "peak_rss_gb": round(self.peak / 2 ** 30, 2)})
-        self.name, self.t0, self.peak = next_name, now, self.rss()
+        with self._lock:
+            self.peak = max(self.peak, self.rss())
+            now = time.perf_counter()
+            self.phases.append({"phase": self.name, "seconds": round(now - self.t0, 1),
+                                "peak_rss_gb": round(self.peak / 2 ** 30, 2)})
+            self.name, self.t0, self.peak = next_name, now, self.rss()
 
     def close(self) -> list[dict]:
         self.phase("")

@@ -32,6 +32,21 @@ def test_phase_bar_counts_phases_and_keeps_other_lines():
     assert bar.bar.n == 3  # completed when the job ends
 
 
+def _read_all(fd: int) -> bytes:
+    """Everything written to a pipe or pty whose writing end is closed (a pty hands it over in chunks; its end
+    reads as EIO on Linux)."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def test_chatter_goes_to_the_log_and_the_bar_only_to_a_terminal(tmp_path):
     """A pipe gets sharpdraft's lines verbatim (tests and CI read them); a terminal gets the bar."""
     log = logging.getLogger("sharpdraft.export")
@@ -50,7 +65,7 @@ def test_chatter_goes_to_the_log_and_the_bar_only_to_a_terminal(tmp_path):
             os.dup2(saved, 2)
             os.close(saved)
             os.close(slave)
-        shown = os.read(master, 65536).decode()
+        shown = _read_all(master).decode()
         os.close(master)
         assert "third-party chatter" in (tmp_path / f"x{interactive}.log").read_text()
         assert "third-party chatter" not in shown
