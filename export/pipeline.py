@@ -247,10 +247,11 @@ def phase_lines(cfg: ExportConfig) -> int:
 def run_export(cfg: ExportConfig) -> dict:
     """Export, rewrite, validate and write the engines folder. Returns the manifest. Raises ExportError.
 
-    Phases: load and check the pair (seconds; every refusal happens here, before a graph is built), build and
-    validate the target graph (then the torch target's layers are released: memory holds one model at a time),
-    export, rewrite and validate the drafter graph, write the folder atomically. What differs
-    between families is asked of ``cfg.spec`` (export/families/).
+    Phases: load and check the pair (seconds; every refusal happens here, before a graph is built); what needs
+    the torch target (the validation reference, the drafter quantization feed's target features) is computed, and
+    it is released as soon as its graph exists (before the builder runs, for a builder graph): memory holds one
+    model at a time; validate the target graph; export, rewrite and validate the drafter graph; write the folder
+    atomically. What differs between families is asked of ``cfg.spec`` (export/families/).
     """
     from export.rewrite import rewrite_file
 
@@ -266,17 +267,41 @@ def run_export(cfg: ExportConfig) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
     scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
     try:
-        target_io = _export_target_graph(cfg, target, taps, tmp / "target")
-        log.info("validating the target graph (ORT vs torch) ...")
-        validation = {"target": _validate_target(cfg, target, taps, tmp / "target" / "model.onnx", target_io, tok)}
-        tables, embed, lm_head = _shared_tables(cfg, target, tmp / "target" / "model.onnx")
-        quant_feed = (None if cfg.drafter_graph_precision == "fp32"
-                      else fam.quantization_feed(drafter, target, tok, embed, lm_head, draft_ids))
-        # What the rest reads of the target is its config and the two tables: its layers go now, so the drafter's
-        # export and validation never hold a second model (a 2.8 B target is 11 GB in fp32).
+        # What the torch target is needed for is computed before its graph is loaded anywhere else: the drafter
+        # quantization feed and the validation reference (export/validate.py); then its layers go, so ONNX Runtime
+        # GenAI's builder, ONNX Runtime and the drafter's export never run beside a second model (a 2.8 B target is
+        # 11 GB in fp32). What the rest reads of it is its config and, for an fp32 graph, its two tables.
+        quant_context = (None if cfg.drafter_graph_precision == "fp32"
+                         else fam.quantization_context(drafter, target, tok))
         target_config, generation_config = target.config, target.generation_config
-        del target
-        gc.collect()
+        target_path = tmp / "target" / "model.onnx"
+        if cfg.target_precision != "fp32":
+            from export.validate import shared_target_reference
+
+            reference = shared_target_reference(target, tok)
+            torch_tables = None  # the builder graph's own tables are shared (export/genai_target.py)
+            del target
+            gc.collect()
+            target_io = _build_quantized_target(cfg, target_config, taps, tmp / "target")
+        else:
+            from export.graphs import export_target
+            from export.validate import target_reference
+
+            log.info("exporting target (%d layers) ...", target_config.num_hidden_layers)
+            target_io = export_target(target, taps, target_path, kv_io=cfg.target_kv_io)
+            reference = target_reference(target, taps, target_io.get("kv_io") == "static")
+            torch_tables = (target.get_input_embeddings().weight.detach(),
+                            target.get_output_embeddings().weight.detach())
+            del target
+            gc.collect()
+        log.info("validating the target graph (ORT vs torch) ...")
+        validation = {"target": _validate_target(cfg, reference, taps, target_path, target_io)}
+        del reference
+        tables, embed, lm_head = _shared_tables(cfg, torch_tables, target_path)
+        del torch_tables
+        quant_feed = (None if quant_context is None
+                      else fam.quantization_feed(drafter, quant_context, embed, lm_head, draft_ids))
+        del quant_context
         log.info("exporting drafter ...")
         drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
         switch = "query_scale_enabled" if profile.enabled else None
@@ -298,6 +323,9 @@ def run_export(cfg: ExportConfig) -> dict:
         if cfg.fused_attention:
             fused = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed, lm_head,
                                    validation)
+        entry, num_keys = fam.manifest_entry(ckpt, drafter, k), fam.num_keys_text(drafter)
+        del drafter  # the torch drafter's part is done: the conversion below holds two graphs of it
+        gc.collect()
         if cfg.drafter_graph_precision != "fp32":
             validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(
                 cfg, tmp, scratch, drafter_io, shared, draft_ids, quant_feed)
@@ -307,13 +335,11 @@ def run_export(cfg: ExportConfig) -> dict:
         if fused is not None:
             graphs["drafter_fused"] = fused
         tok.save_pretrained(tmp / "tokenizer")
-        entry = fam.manifest_entry(ckpt, drafter, k)
         entry["verify_draft_tokens"] = int(verify or k)
         if draft_ids is not None:
             entry["draft_vocab"] = {"file": f"drafter/{DRAFT_VOCAB_FILE}", "size": int(draft_ids.size)}
         manifest = _manifest(cfg, entry, target_config, generation_config, tok, profile, profile_source, counts,
-                             shared, validation, graphs,
-                             fam.num_keys_text(drafter))
+                             shared, validation, graphs, num_keys)
         try:  # the writer meets the schema the runtime reads (runtime/manifest.py)
             manifest = Manifest.from_dict(manifest).to_dict()
         except ValueError as e:
@@ -363,25 +389,16 @@ def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> 
     return verify
 
 
-def _export_target_graph(cfg: ExportConfig, target, taps: list[int], out_dir: Path) -> dict:
-    if cfg.target_precision != "fp32":
-        return _build_quantized_target(cfg, target, taps, out_dir)
-    from export.graphs import export_target
-
-    log.info("exporting target (%d layers) ...", target.config.num_hidden_layers)
-    return export_target(target, taps, out_dir / "model.onnx", kv_io=cfg.target_kv_io)
-
-
-def _shared_tables(cfg: ExportConfig, target, target_onnx: Path):
+def _shared_tables(cfg: ExportConfig, torch_tables, target_onnx: Path):
     """The target tables a drafter graph may read as inputs: ``(shared_weights specs, embed, lm_head)``, the
-    tables float32 ``[vocab, hidden]`` torch tensors as the runtime will feed them (an int4 / int8 / fp16 target's
-    own tables, dequantized or widened, so the drafter is validated on what it will run with). The caller keeps the
-    specs of the inputs its drafter graph reads."""
+    tables float32 ``[vocab, hidden]`` torch tensors as the runtime will feed them: an fp32 graph's are the torch
+    target's (``torch_tables``: ``(embed, lm_head)``), an int4 / int8 / fp16 / bf16 builder graph's are its own,
+    dequantized or widened, so the drafter is validated on what it will run with. The caller keeps the specs of the
+    inputs its drafter graph reads. Raises ExportError."""
     if cfg.target_precision != "fp32":
+        from export.genai_target import GenaiBuildError
         from export.genai_target import find_shared_weights as find_quantized_weights
         from runtime.shared_tables import load_shared_table
-
-        from export.genai_target import GenaiBuildError
 
         try:
             shared = find_quantized_weights(target_onnx)
@@ -389,18 +406,15 @@ def _shared_tables(cfg: ExportConfig, target, target_onnx: Path):
             raise ExportError(str(e)) from e
         tables = {name: torch.from_numpy(np.array(load_shared_table(target_onnx, spec)))
                   for name, spec in shared.items()}
-        embed = tables.get("embed_weight", target.get_input_embeddings().weight.detach())
-        lm_head = tables.get("lm_head_weight", target.get_output_embeddings().weight.detach())
-        return shared, embed, lm_head
-    return (find_shared_weights(target_onnx), target.get_input_embeddings().weight.detach(),
-            target.get_output_embeddings().weight.detach())
+        return shared, tables["embed_weight"], tables["lm_head_weight"]
+    return (find_shared_weights(target_onnx), *torch_tables)
 
 
 def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: dict, shared: dict, draft_ids,
                       feed: dict) -> dict:
     """Replace ``drafter/model.onnx`` (validated fp32) by its int8 or fp16 form (export/drafter_quant.py) and measure
-    how often it drafts the fp32 graph's tokens on real text (``feed``: the family's ``quantization_feed``, built
-    while the target was loaded). Updates ``drafter_io`` (precision, quantization, an LM head moved into the graph)
+    how often it drafts the fp32 graph's tokens on real text (``feed``: the family's ``quantization_feed``, from
+    target features computed while the target was loaded). Updates ``drafter_io`` (precision, quantization, an LM head moved into the graph)
     and ``shared`` in place; returns ``validation.drafter_<precision>``. Raises ExportError."""
     from export.drafter_quant import (LM_HEAD_INPUT, MIN_SLOT1_AGREEMENT, DrafterQuantError, half_drafter_graph,
                                       proposal_agreement, quantize_drafter_graph)
@@ -450,11 +464,13 @@ def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: d
     return check
 
 
-def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io: dict, tok) -> dict:
-    """Validation of the target graph (export/validate.py). Raises ExportError when ONNX Runtime cannot run it."""
+def _validate_target(cfg: ExportConfig, reference: dict, taps: list[int], path: Path, io: dict) -> dict:
+    """Validation of the target graph against ``reference``, computed from the torch target before it was released
+    (export/validate.py: ``target_reference`` for an fp32 graph, ``shared_target_reference`` for a builder graph).
+    Raises export.validate's ValidationError, or ExportError when ONNX Runtime cannot run the graph."""
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail, NotImplemented, RuntimeException
 
-    from export.validate import validate_shared_target, validate_target
+    from export.validate import check_shared_target, check_target
 
     try:
         if cfg.target_precision == "bf16":  # no CPU kernels: the same graph widened to fp32 (export/bf16.py)
@@ -463,12 +479,12 @@ def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io:
             emulated = path.parent.parent / ".target-bf16-emulation" / "model.onnx"
             try:
                 widen_bf16(path, emulated)
-                return {**validate_shared_target(target, taps, emulated, io, tok), "emulation": EMULATION_NOTE}
+                return {**check_shared_target(reference, taps, emulated, io), "emulation": EMULATION_NOTE}
             finally:
                 shutil.rmtree(emulated.parent, ignore_errors=True)
         if cfg.target_precision != "fp32":
-            return validate_shared_target(target, taps, path, io, tok)
-        return validate_target(target, taps, path, io)
+            return check_shared_target(reference, taps, path, io)
+        return check_target(reference, path, io)
     except (Fail, NotImplemented, RuntimeException) as e:
         text = str(e)
         cause = text.split("Status Message:", 1)[-1].strip().splitlines()[0] if text.strip() else type(e).__name__
@@ -476,7 +492,7 @@ def _validate_target(cfg: ExportConfig, target, taps: list[int], path: Path, io:
                           f"({cause[:300]}); export another --target-precision (int4 or fp32 run everywhere)") from e
 
 
-def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir: Path) -> dict:
+def _build_quantized_target(cfg: ExportConfig, target_config, taps: list[int], out_dir: Path) -> dict:
     """``target/`` from ONNX Runtime GenAI's model builder (export/genai_target.py). Raises ExportError."""
     from export.genai_target import DEFAULT_ACCURACY_LEVEL, HALF_PRECISIONS, GenaiBuildError, build_target, write_note
     from runtime.models.target import TargetLoadError, resolve_target
@@ -489,7 +505,7 @@ def _build_quantized_target(cfg: ExportConfig, target, taps: list[int], out_dir:
     log.info("building the %s target with ONNX Runtime GenAI's model builder%s ...", cfg.target_precision,
              "" if cfg.target_precision in HALF_PRECISIONS else f" (accuracy_level {level})")
     try:
-        io = build_target(hf_dir, out_dir, cfg.target_precision, taps, target.config.num_hidden_layers, level)
+        io = build_target(hf_dir, out_dir, cfg.target_precision, taps, target_config.num_hidden_layers, level)
     except GenaiBuildError as e:
         raise ExportError(str(e)) from e
     write_note(out_dir, io)

@@ -51,29 +51,34 @@ def _session(path: Path):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+def _dims(cfg) -> dict:
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {"num_layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": hd,
+            "hidden_size": cfg.hidden_size}
+
+
 @torch.no_grad()
-def validate_target(model, tap_ids: list[int], path: Path, io: dict, seed: int = 0) -> dict:
-    """Prefill 11 tokens then verify a 4-token block with the cache; compare logits, taps and the new K/V with
-    transformers' own forward (``TargetForExport``). Returns max diffs.
+def target_reference(model, tap_ids: list[int], static: bool, seed: int = 0) -> dict:
+    """The torch half of :func:`validate_target`, computed while the torch target is loaded so that it can be
+    released before ONNX Runtime loads the graph (export holds one model at a time).
 
-    A static-KV graph (``io["kv_io"] == "static"``) is fed past buffers with 5 spare slots of noise behind the
-    cached positions, masked out as the runtime masks them, so a mask bug shows up as a logits difference.
+    Two steps through transformers' own forward (``TargetForExport``): an 11-token prefill, then a 4-token block
+    verified with the cache. Each step keeps its feed (``input_ids`` / ``position_ids`` / ``attention_mask``
+    int64, past buffers float32 ``[1, kv_heads, past + spare, head_dim]``) and the expected logits
+    ``[1, q, vocab]``, taps ``[1, q, len(tap_ids) * hidden]`` and new K/V. ``static``: the buffers carry 5 spare
+    slots of noise behind the cached positions, masked out as the runtime masks them (static-KV graphs).
 
-    Raises:
-        ValidationError: a difference above ``TARGET_ATOL``.
+    Returns ``{"static", "steps": [...]}`` (a few MB: the logits of 15 positions dominate).
     """
     from export.graphs import TargetForExport
 
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     wrap = TargetForExport(model, tap_ids).eval()
-    sess = _session(path)
-    static = io.get("kv_io") == "static"
     spare = 5 if static else 0
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hd = _dims(cfg)["head_dim"]
     past = [torch.zeros(1, cfg.num_key_value_heads, 0, hd) for _ in range(2 * cfg.num_hidden_layers)]
-    diffs = {"logits": 0.0, "taps": 0.0, "kv": 0.0}
-    start = 0
+    steps, start = [], 0
     for q in (11, 4):
         ids = torch.randint(0, cfg.vocab_size, (1, q), generator=g)
         pos = torch.arange(start, start + q)[None]
@@ -81,19 +86,50 @@ def validate_target(model, tap_ids: list[int], path: Path, io: dict, seed: int =
         ref_logits, ref_taps, present = wrap(ids, pos, am, past)
         buffers = [torch.cat([t, torch.randn(*t.shape[:2], spare, hd, generator=g)], 2) for t in past]
         mask = torch.cat([am[:, :start], torch.zeros(1, spare, dtype=torch.int64), am[:, start:]], 1)
-        feed = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "attention_mask": mask.numpy()}
-        feed.update({n: t.numpy() for n, t in zip(io["inputs"][3:], buffers)})
-        logits, taps, *kv = sess.run(io["outputs"], feed)
-        diffs["logits"] = max(diffs["logits"], float(np.abs(logits - ref_logits.numpy()).max()))
-        if taps.size:  # a drafter that reads no target features (PARD) exports taps of width 0
-            diffs["taps"] = max(diffs["taps"], float(np.abs(taps - ref_taps.numpy()).max() / ref_taps.abs().max()))
-        new_ref = [t[:, :, start:] for t in present] if static else present
-        diffs["kv"] = max(diffs["kv"], max(float(np.abs(a - b.numpy()).max()) for a, b in zip(kv, new_ref)))
+        new_kv = [t[:, :, start:] for t in present] if static else present
+        steps.append({"feed": {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "attention_mask": mask.numpy()},
+                      "buffers": [t.float().numpy() for t in buffers], "logits": ref_logits.float().numpy(),
+                      "taps": ref_taps.float().numpy(), "kv": [t.float().numpy() for t in new_kv]})
         past, start = list(present), start + q
+    return {"static": static, "steps": steps}
+
+
+def check_target(reference: dict, path: Path, io: dict) -> dict:
+    """The ONNX Runtime half of :func:`validate_target`: run the graph at ``path`` on ``reference``'s feeds
+    (:func:`target_reference`) and compare logits, taps and new K/V. Returns max diffs.
+
+    Raises:
+        ValidationError: a difference above ``TARGET_ATOL``.
+    """
+    sess = _session(path)
+    diffs = {"logits": 0.0, "taps": 0.0, "kv": 0.0}
+    for step in reference["steps"]:
+        feed = dict(step["feed"])
+        feed.update(dict(zip(io["inputs"][3:], step["buffers"])))
+        logits, taps, *kv = sess.run(io["outputs"], feed)
+        diffs["logits"] = max(diffs["logits"], float(np.abs(logits - step["logits"]).max()))
+        if taps.size:  # a drafter that reads no target features (PARD) exports taps of width 0
+            diffs["taps"] = max(diffs["taps"], float(np.abs(taps - step["taps"]).max() / np.abs(step["taps"]).max()))
+        diffs["kv"] = max(diffs["kv"], max(float(np.abs(a - b).max()) for a, b in zip(kv, step["kv"])))
     if max(diffs.values()) > TARGET_ATOL:
         raise ValidationError(f"target graph {path} disagrees with torch: {diffs} (tolerance {TARGET_ATOL})")
     return {"max_abs_diff_logits": diffs["logits"], "max_rel_diff_taps": diffs["taps"],
             "max_abs_diff_kv": diffs["kv"], "kv_io": io.get("kv_io", "concat"), "atol": TARGET_ATOL}
+
+
+def validate_target(model, tap_ids: list[int], path: Path, io: dict, seed: int = 0) -> dict:
+    """Prefill 11 tokens then verify a 4-token block with the cache; compare logits, taps and the new K/V with
+    transformers' own forward (``TargetForExport``). Returns max diffs.
+
+    A static-KV graph (``io["kv_io"] == "static"``) is fed past buffers with 5 spare slots of noise behind the
+    cached positions, masked out as the runtime masks them, so a mask bug shows up as a logits difference.
+    :func:`target_reference` then :func:`check_target` (the export computes the first, frees the torch target, then
+    runs the second).
+
+    Raises:
+        ValidationError: a difference above ``TARGET_ATOL``.
+    """
+    return check_target(target_reference(model, tap_ids, io.get("kv_io") == "static", seed), path, io)
 
 
 SHARED_ATOL = 1e-3  # quantized graph vs itself (cached vs one pass, after a rollback): same kernels
@@ -105,17 +141,35 @@ VALIDATION_TEXT = ("The quick brown fox jumps over the lazy dog. In 1905 Albert 
 
 
 @torch.no_grad()
+def shared_target_reference(model, tokenizer) -> dict:
+    """The torch half of :func:`validate_shared_target`: ``VALIDATION_TEXT``'s ids ``[1, n]`` int64, the fp32 torch
+    target's argmax per position ``[n]`` and every hidden state (``hidden_states[i]`` float32 ``[n, hidden]``,
+    i = 0 the embeddings), with the KV dimensions of the config. Computed before the graph is built, so the torch
+    target is released before ONNX Runtime GenAI's builder and ONNX Runtime load theirs."""
+    ids = np.asarray(tokenizer.encode(VALIDATION_TEXT), np.int64)[None]
+    out = model(input_ids=torch.from_numpy(ids), output_hidden_states=True)
+    return {"ids": ids, "argmax": out.logits[0].argmax(-1).numpy(),
+            "hidden_states": [h[0].float().numpy() for h in out.hidden_states], **_dims(model.config)}
+
+
 def validate_shared_target(model, tap_ids: list[int], path: Path, io: dict, tokenizer, seed: int = 0) -> dict:
+    """Check a quantized builder graph (kv_io "shared", export/genai_target.py) against ``model`` (the fp32
+    torch target): :func:`shared_target_reference` then :func:`check_shared_target`, which documents the checks,
+    the result and the raised ValidationError."""
+    return check_shared_target(shared_target_reference(model, tokenizer), tap_ids, path, io, seed)
+
+
+def check_shared_target(reference: dict, tap_ids: list[int], path: Path, io: dict, seed: int = 0) -> dict:
     """Check a quantized builder graph (kv_io "shared", export/genai_target.py) before it is shipped.
 
     1. Against itself: a prefill of n - 4 tokens then a cached 4-token verify block in one shared buffer (noise in
-       the spare slots behind) must equal one pass over all n tokens, and a ragged batch of two rows (lengths n - 4
-       and n - 8, each + 4) must equal each row run alone: the KV writes, the per-row positions and the rollback
-       contract the runtime relies on.
-    2. Against the fp32 torch target on real text: the share of positions whose argmax agrees (a quantized target
-       is another model, so this is a sanity floor, ``MIN_TOP1_AGREEMENT``), and per tap the cosine similarity
-       with the transformers hidden state it must equal (``hidden_states[id + 1]``), which must beat both
-       neighbouring layers' (an off-by-one tap fails here).
+       the spare slots behind) must equal one pass over all n tokens; then, rolled back to n - 4 cached positions
+       (a length change, the stale slots left in place), another 4-token block must equal one pass over its
+       tokens: the KV writes, the positions and the rollback contract the runtime relies on.
+    2. Against the fp32 torch target on real text (``reference``: :func:`shared_target_reference`): the share of
+       positions whose argmax agrees (a quantized target is another model, so this is a sanity floor,
+       ``MIN_TOP1_AGREEMENT``), and per tap the cosine similarity with the transformers hidden state it must equal
+       (``hidden_states[id + 1]``), which must beat both neighbouring layers' (an off-by-one tap fails here).
 
     Returns:
         ``{"kv_io", "precision", "max_abs_diff_cached_vs_full", "max_abs_diff_after_rollback", "top1_agreement_fp32",
@@ -125,14 +179,12 @@ def validate_shared_target(model, tap_ids: list[int], path: Path, io: dict, toke
     """
     from runtime.ort_engines import run_shared
 
-    cfg = model.config
     sess = _session(path)
-    n_layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_layers, kvh, hd = reference["num_layers"], reference["kv_heads"], reference["head_dim"]
     past = [n for n in io["inputs"] if n.startswith("past")]
     present = [n for n in io["outputs"] if n.startswith("present")]
     taps_out = io.get("taps_output")
-    ids = np.asarray(tokenizer.encode(VALIDATION_TEXT), np.int64)[None]
+    ids = reference["ids"]
     n = ids.shape[1]
     rng = np.random.default_rng(seed)
 
@@ -159,18 +211,19 @@ def validate_shared_target(model, tap_ids: list[int], path: Path, io: dict, toke
     again, _ = call(other, [n], bufs)
     rollback = float(np.abs(again - ref[:, n - 4:]).max())
     # against fp32 torch
-    out = model(input_ids=torch.from_numpy(ids), output_hidden_states=True)
-    agree = float((out.logits[0].argmax(-1).numpy() == full[0].argmax(-1)).mean())
+    agree = float((reference["argmax"] == full[0].argmax(-1)).mean())
+    hidden_states = reference["hidden_states"]
     cos, neigh = [], []
     if taps_out:
-        width = cfg.hidden_size
+        width = reference["hidden_size"]
         for j, t in enumerate(tap_ids):
             seg = torch.from_numpy(full_taps[0, :, j * width: (j + 1) * width].astype(np.float32))
 
             def c(layer: int) -> float:
-                if not 0 <= layer < len(out.hidden_states):
+                if not 0 <= layer < len(hidden_states):
                     return -1.0
-                return float(torch.nn.functional.cosine_similarity(seg, out.hidden_states[layer][0], dim=-1).mean())
+                ref = torch.from_numpy(hidden_states[layer])
+                return float(torch.nn.functional.cosine_similarity(seg, ref, dim=-1).mean())
 
             cos.append(c(t + 1))
             neigh.append([c(t), c(t + 2)])

@@ -106,11 +106,17 @@ class DrafterFamily(abc.ABC):
         ``lm_head``: the tables the runtime will feed, ``[vocab, hidden]`` float32 torch tensors. Returns the
         manifest's ``validation.drafter`` entry; raises export.validate's ValidationError."""
 
-    def quantization_feed(self, drafter, target, tokenizer, embed, lm_head, draft_ids: np.ndarray | None) -> dict:
-        """A batched feed of the exported drafter graph on real text (the target's own features), on which
-        ``--drafter-precision int8`` measures how often the quantized graph drafts the float graph's tokens
-        (export/drafter_quant.py ``proposal_agreement``). Only families listing "int8" in
-        :attr:`drafter_precisions` implement it."""
+    def quantization_context(self, drafter, target, tokenizer) -> dict:
+        """What :meth:`quantization_feed` needs of the torch target (its features on real text), computed while the
+        target is loaded so that the export can release it before the target graph is built. Only families listing
+        a precision other than "fp32" in :attr:`drafter_precisions` implement it."""
+        raise NotImplementedError(f"{self.family.value} drafters export in fp32 only")
+
+    def quantization_feed(self, drafter, context: dict, embed, lm_head, draft_ids: np.ndarray | None) -> dict:
+        """A batched feed of the exported drafter graph on real text (``context``: :meth:`quantization_context`;
+        ``embed`` / ``lm_head``: the tables the runtime will feed, float32 ``[vocab, hidden]``), on which
+        ``--drafter-precision int8 / fp16 / bf16`` measures how often the converted graph drafts the float graph's
+        tokens (export/drafter_quant.py ``proposal_agreement``)."""
         raise NotImplementedError(f"{self.family.value} drafters export in fp32 only")
 
     @abc.abstractmethod

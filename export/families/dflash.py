@@ -104,28 +104,35 @@ class DFlashFamily(DrafterFamily):
         return validate_drafter(drafter, path, io, profile, embed, head)
 
     @torch.no_grad()
-    def quantization_feed(self, drafter, target, tokenizer, embed, lm_head, draft_ids, rows: int = 48):
-        """``rows`` blocks drafted after real text: row r has the target's taps of the first p_r tokens as context
-        (empty past) and token p_r as its bonus; p_r spread over a few hundred tokens of the standard library's
-        ``json`` sources and the validation sentence (offline on every machine)."""
+    def quantization_context(self, drafter, target, tokenizer):
+        """The target's taps on a few hundred tokens of real text (the validation sentence and the standard
+        library's ``json`` sources, offline on every machine): ``{"ids": [n] int64, "features": [n, taps * hidden]
+        float32}``, n <= 640."""
         import inspect
         import json.decoder
 
         from export.validate import VALIDATION_TEXT
-        from runtime.ragged import dflash_block
 
-        c = drafter.config
         text = VALIDATION_TEXT + inspect.getsource(json.decoder)
         ids = torch.tensor(tokenizer.encode(text)[:640])[None]
         hs = target(input_ids=ids, output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[t + 1] for t in c.target_layer_ids], -1)[0].float().numpy()
-        ends = np.linspace(8, ids.shape[1] - 1, rows).astype(int)
+        feats = torch.cat([hs[t + 1] for t in drafter.config.target_layer_ids], -1)[0].float().numpy()
+        return {"ids": ids[0].numpy(), "features": feats}
+
+    def quantization_feed(self, drafter, context, embed, lm_head, draft_ids, rows: int = 48):
+        """``rows`` blocks drafted after real text: row r has the target's taps of the first p_r tokens as context
+        (empty past) and token p_r as its bonus; p_r spread over the context's tokens."""
+        from runtime.ragged import dflash_block
+
+        c = drafter.config
+        ids, feats = context["ids"], context["features"]
+        ends = np.linspace(8, ids.shape[0] - 1, rows).astype(int)
         blk = c.block_size
         hidden = np.zeros((rows, int(ends.max()), feats.shape[1]), np.float32)
         tokens = np.full((rows, blk), c.mask_token_id, np.int64)
         for r, p in enumerate(ends):
             hidden[r, :p] = feats[:p]
-            tokens[r, 0] = ids[0, p]
+            tokens[r, 0] = ids[p]
         pos, mask = dflash_block([0] * rows, ends.tolist(), 1, blk)  # one masked past slot: static graphs need >= 1
         head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]  # unused by own-head graphs
         empty = np.zeros((rows, c.num_key_value_heads, 1, c.head_dim), np.float32)

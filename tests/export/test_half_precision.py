@@ -150,8 +150,8 @@ def test_a_target_graph_onnx_runtime_cannot_run_is_one_export_error(monkeypatch,
         raise RuntimeException("Non-zero status code returned while running GroupQueryAttention node. Status Message: "
                                "GroupQueryAttention (CPU): q_norm_weight / k_norm_weight inputs are not supported.")
 
-    monkeypatch.setattr(export.validate, "validate_shared_target", fail)
+    monkeypatch.setattr(export.validate, "check_shared_target", fail)
     cfg = ExportConfig(family="dflash", out=tmp_path / "e", target_precision="fp16")
     with pytest.raises(ExportError, match=r"cannot run the fp16 target graph on this machine \(GroupQueryAttention "
                                           r"\(CPU\): q_norm_weight .*export another --target-precision"):
-        _validate_target(cfg, None, [], tmp_path / "model.onnx", {}, None)
+        _validate_target(cfg, {}, [], tmp_path / "model.onnx", {})
