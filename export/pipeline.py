@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import gc
 import json
 import logging
@@ -299,8 +300,10 @@ def run_export(cfg: ExportConfig) -> dict:
         del reference
         tables, embed, lm_head = _shared_tables(cfg, torch_tables, target_path)
         del torch_tables
-        quant_feed = (None if quant_context is None
-                      else fam.quantization_feed(drafter, quant_context, embed, lm_head, draft_ids))
+        # the feed (up to GBs of target features for a wide drafter) is made when the converted graph is checked
+        make_feed = (None if quant_context is None
+                     else functools.partial(fam.quantization_feed, drafter.config, quant_context, embed, lm_head,
+                                            draft_ids))
         del quant_context
         log.info("exporting drafter ...")
         drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
@@ -328,7 +331,7 @@ def run_export(cfg: ExportConfig) -> dict:
         gc.collect()
         if cfg.drafter_graph_precision != "fp32":
             validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(
-                cfg, tmp, scratch, drafter_io, shared, draft_ids, quant_feed)
+                cfg, tmp, scratch, drafter_io, shared, draft_ids, make_feed)
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
         graphs.update({name: _graph_entry(tmp, tmp / name / "model.onnx", io) for name, io in extra_io.items()})
@@ -411,10 +414,11 @@ def _shared_tables(cfg: ExportConfig, torch_tables, target_onnx: Path):
 
 
 def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: dict, shared: dict, draft_ids,
-                      feed: dict) -> dict:
+                      make_feed) -> dict:
     """Replace ``drafter/model.onnx`` (validated fp32) by its int8 or fp16 form (export/drafter_quant.py) and measure
-    how often it drafts the fp32 graph's tokens on real text (``feed``: the family's ``quantization_feed``, from
-    target features computed while the target was loaded). Updates ``drafter_io`` (precision, quantization, an LM head moved into the graph)
+    how often it drafts the fp32 graph's tokens on real text (``make_feed()``: the family's ``quantization_feed``,
+    from target features computed while the target was loaded; made after the conversion, so the two never share
+    memory). Updates ``drafter_io`` (precision, quantization, an LM head moved into the graph)
     and ``shared`` in place; returns ``validation.drafter_<precision>``. Raises ExportError."""
     from export.drafter_quant import (LM_HEAD_INPUT, MIN_SLOT1_AGREEMENT, DrafterQuantError, half_drafter_graph,
                                       proposal_agreement, quantize_drafter_graph)
@@ -451,7 +455,7 @@ def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: d
             info = half_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx")
     except DrafterQuantError as e:
         raise ExportError(str(e)) from e
-    check = proposal_agreement(float_dir / "model.onnx", checked, feed)
+    check = proposal_agreement(float_dir / "model.onnx", checked, make_feed())
     check["min_slot1_agreement"] = MIN_SLOT1_AGREEMENT
     if check["slot_top1_agreement"][0] < MIN_SLOT1_AGREEMENT:
         raise ExportError(f"the {precision} drafter graph drafts the fp32 graph's first token at "

@@ -112,8 +112,9 @@ class DrafterFamily(abc.ABC):
         a precision other than "fp32" in :attr:`drafter_precisions` implement it."""
         raise NotImplementedError(f"{self.family.value} drafters export in fp32 only")
 
-    def quantization_feed(self, drafter, context: dict, embed, lm_head, draft_ids: np.ndarray | None) -> dict:
-        """A batched feed of the exported drafter graph on real text (``context``: :meth:`quantization_context`;
+    def quantization_feed(self, config, context: dict, embed, lm_head, draft_ids: np.ndarray | None) -> dict:
+        """A batched feed of the exported drafter graph on real text (``config``: the drafter's config; ``context``:
+        :meth:`quantization_context`;
         ``embed`` / ``lm_head``: the tables the runtime will feed, float32 ``[vocab, hidden]``), on which
         ``--drafter-precision int8 / fp16 / bf16`` measures how often the converted graph drafts the float graph's
         tokens (export/drafter_quant.py ``proposal_agreement``)."""

@@ -119,12 +119,12 @@ class DFlashFamily(DrafterFamily):
         feats = torch.cat([hs[t + 1] for t in drafter.config.target_layer_ids], -1)[0].float().numpy()
         return {"ids": ids[0].numpy(), "features": feats}
 
-    def quantization_feed(self, drafter, context, embed, lm_head, draft_ids, rows: int = 48):
+    def quantization_feed(self, config, context, embed, lm_head, draft_ids, rows: int = 48):
         """``rows`` blocks drafted after real text: row r has the target's taps of the first p_r tokens as context
         (empty past) and token p_r as its bonus; p_r spread over the context's tokens."""
         from runtime.ragged import dflash_block
 
-        c = drafter.config
+        c = config
         ids, feats = context["ids"], context["features"]
         ends = np.linspace(8, ids.shape[0] - 1, rows).astype(int)
         blk = c.block_size

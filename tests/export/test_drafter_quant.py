@@ -118,7 +118,7 @@ def test_proposal_agreement_counts_per_slot(tiny_engines):
     embed, head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
     context = fam.quantization_context(drafter, target, tok)
     del target  # the feed is made after the target is released, as the export makes it
-    feed = fam.quantization_feed(drafter, context, embed, head, None, rows=6)
+    feed = fam.quantization_feed(drafter.config, context, embed, head, None, rows=6)
     same = proposal_agreement(src, src, feed)  # a graph against itself agrees everywhere, exactly
     assert same["slot_top1_agreement"] == [1.0] * (drafter.config.block_size - 1) and same["rows"] == 6
     assert same["max_abs_diff_logits"] == 0.0 and same["max_abs_logit"] > 0
