@@ -103,28 +103,70 @@ def half_drafter_graph(src: Path, dst: Path) -> dict:
     nodes of :data:`HALF_BLOCKED_OPS`, DFlash's ``fc`` (the MatMul on ``target_hidden``), the rotary angle
     (:func:`_rotary_angle_nodes`) and the query-scale subgraph stay float32.
 
+    Memory-bounded: the converter decides on the graph with its external tensors left on disk (empty stand-ins of
+    the same names); their values are then converted one tensor at a time from a memory map of ``src``'s data file
+    (the converter's own rounding, ``convert_np_to_float16``), so a 1 B-parameter drafter converts in well under
+    its own size of extra memory.
+
     Returns:
         the graph entry's ``quantization`` record: ``{"method", "dtype", "kept_float32": {ops, nodes}}``.
     Raises:
-        DrafterQuantError: the graph has no MatMul with a stored weight (nothing to convert).
+        DrafterQuantError: the graph has no MatMul with a stored weight (nothing to convert), or the converter
+            made a tensor of its own from a stored one (not written by this conversion; please report it).
     """
     import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnx import TensorProto
+    from onnxruntime.transformers.float16 import convert_float_to_float16, convert_np_to_float16
 
-    model = onnx.load(str(src))
+    src, dst = Path(src), Path(dst)
+    model = onnx.load(str(src), load_external_data=False)
     inits = {i.name for i in model.graph.initializer}
     if not any(n.op_type == "MatMul" and n.input[1] in inits for n in model.graph.node):
         raise DrafterQuantError(f"{src}: no MatMul with a stored weight; export with --drafter-precision fp32")
+    stored = {}  # name -> (dims, external_data, data_type) of the tensors left on disk
+    for t in model.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL:
+            stored[t.name] = (list(t.dims), {e.key: e.value for e in t.external_data}, t.data_type)
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+            del t.dims[:]
+            t.dims.append(0)  # an empty stand-in: the converter only retypes it
     keep = [n.name for n in model.graph.node if n.name.startswith(QUERY_SCALE_PREFIX)
             or (n.op_type == "MatMul" and "target_hidden" in n.input)] + _rotary_angle_nodes(model)
     half = convert_float_to_float16(model, keep_io_types=True, op_block_list=list(HALF_BLOCKED_OPS),
                                     node_block_list=keep, disable_shape_infer=True)
     _drop_round_trips(half)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    for old in (dst, dst.with_name(dst.name + ".data")):
+    data = dst.with_name(dst.name + ".data")
+    for old in (dst, data):
         old.unlink(missing_ok=True)
-    onnx.save(half, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=dst.name + ".data", size_threshold=1024)
+    with open(data, "wb") as out:
+        for t in half.graph.initializer:
+            if t.name not in stored:
+                if list(t.dims) == [0] and not t.raw_data:
+                    raise DrafterQuantError(f"internal error: the float16 converter made {t.name!r} from a stored "
+                                            "tensor; export with --drafter-precision fp32 and please report it")
+                continue
+            dims, ext, old_type = stored[t.name]
+            values = np.memmap(src.parent / ext["location"], dtype=onnx.helper.tensor_dtype_to_np_dtype(old_type),
+                               mode="r", offset=int(ext.get("offset", 0)), shape=tuple(dims))
+            if old_type == TensorProto.FLOAT and t.data_type == TensorProto.FLOAT16:
+                values = convert_np_to_float16(values)
+            offset = out.tell()
+            out.write(np.ascontiguousarray(values).tobytes())
+            del values
+            del t.dims[:]
+            t.dims.extend(dims)
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", data.name), ("offset", str(offset)),
+                               ("length", str(out.tell() - offset))):
+                t.external_data.add(key=key, value=value)
+    for vi in half.graph.value_info:  # the converter typed the stand-ins' value infos with their empty shape
+        if vi.name in stored:
+            del vi.type.tensor_type.shape.dim[:]
+            for d in stored[vi.name][0]:
+                vi.type.tensor_type.shape.dim.add(dim_value=d)
+    onnx.save(half, str(dst))
     return {"method": "float16 (onnxruntime.transformers.float16, keep_io_types)", "dtype": "float16",
             "kept_float32": {"ops": list(HALF_BLOCKED_OPS), "nodes": len(keep)}}
 

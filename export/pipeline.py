@@ -271,7 +271,7 @@ def run_export(cfg: ExportConfig) -> dict:
         # What the torch target is needed for is computed before its graph is loaded anywhere else: the drafter
         # quantization feed and the validation reference (export/validate.py); then its layers go, so ONNX Runtime
         # GenAI's builder, ONNX Runtime and the drafter's export never run beside a second model (a 2.8 B target is
-        # 11 GB in fp32). What the rest reads of it is its config and, for an fp32 graph, its two tables.
+        # 11 GB in fp32). What the rest reads of it is its config (its tables are read from its graph).
         quant_context = (None if cfg.drafter_graph_precision == "fp32"
                          else fam.quantization_context(drafter, target, tok))
         target_config, generation_config = target.config, target.generation_config
@@ -280,7 +280,6 @@ def run_export(cfg: ExportConfig) -> dict:
             from export.validate import shared_target_reference
 
             reference = shared_target_reference(target, tok)
-            torch_tables = None  # the builder graph's own tables are shared (export/genai_target.py)
             del target
             gc.collect()
             target_io = _build_quantized_target(cfg, target_config, taps, tmp / "target")
@@ -291,19 +290,17 @@ def run_export(cfg: ExportConfig) -> dict:
             log.info("exporting target (%d layers) ...", target_config.num_hidden_layers)
             target_io = export_target(target, taps, target_path, kv_io=cfg.target_kv_io)
             reference = target_reference(target, taps, target_io.get("kv_io") == "static")
-            torch_tables = (target.get_input_embeddings().weight.detach(),
-                            target.get_output_embeddings().weight.detach())
             del target
             gc.collect()
         log.info("validating the target graph (ORT vs torch) ...")
         validation = {"target": _validate_target(cfg, reference, taps, target_path, target_io)}
         del reference
-        tables, embed, lm_head = _shared_tables(cfg, torch_tables, target_path)
-        del torch_tables
-        # the feed (up to GBs of target features for a wide drafter) is made when the converted graph is checked
+        tables = _shared_specs(cfg, target_path)
+        # the feed (up to GBs of target features and tables for a wide drafter) is made when the converted graph is
+        # checked, the tables read again from the target graph then
         make_feed = (None if quant_context is None
-                     else functools.partial(fam.quantization_feed, drafter.config, quant_context, embed, lm_head,
-                                            draft_ids))
+                     else functools.partial(_quantization_feed, fam, drafter.config, quant_context, target_path,
+                                            tables, draft_ids))
         del quant_context
         log.info("exporting drafter ...")
         drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
@@ -320,6 +317,7 @@ def run_export(cfg: ExportConfig) -> dict:
                 {"draft_ids": draft_ids.tolist(), "source": "the checkpoint's d2t (speculators format)"}) + "\n")
         shared = {name: spec for name, spec in tables.items() if name in drafter_io["inputs"]}
         log.info("validating the drafter graph (ORT vs torch) ...")
+        embed, lm_head = _load_tables(target_path, tables)  # read for the drafter's checks only (2 x 2.5 GB at 8 B)
         validation["drafter"] = fam.validate(drafter, k, tmp / "drafter" / "model.onnx", drafter_io, profile, embed,
                                              lm_head, draft_ids)
         fused = None  # checked against the fp32 drafter graph, so before it is quantized
@@ -327,7 +325,7 @@ def run_export(cfg: ExportConfig) -> dict:
             fused = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed, lm_head,
                                    validation)
         entry, num_keys = fam.manifest_entry(ckpt, drafter, k), fam.num_keys_text(drafter)
-        del drafter  # the torch drafter's part is done: the conversion below holds two graphs of it
+        del drafter, embed, lm_head  # the torch drafter's part is done: the conversion below holds two graphs of it
         gc.collect()
         if cfg.drafter_graph_precision != "fp32":
             validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(
@@ -392,25 +390,37 @@ def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> 
     return verify
 
 
-def _shared_tables(cfg: ExportConfig, torch_tables, target_onnx: Path):
-    """The target tables a drafter graph may read as inputs: ``(shared_weights specs, embed, lm_head)``, the
-    tables float32 ``[vocab, hidden]`` torch tensors as the runtime will feed them: an fp32 graph's are the torch
-    target's (``torch_tables``: ``(embed, lm_head)``), an int4 / int8 / fp16 / bf16 builder graph's are its own,
-    dequantized or widened, so the drafter is validated on what it will run with. The caller keeps the specs of the
-    inputs its drafter graph reads. Raises ExportError."""
-    if cfg.target_precision != "fp32":
-        from export.genai_target import GenaiBuildError
-        from export.genai_target import find_shared_weights as find_quantized_weights
-        from runtime.shared_tables import load_shared_table
+def _shared_specs(cfg: ExportConfig, target_onnx: Path) -> dict:
+    """The ``shared_weights`` specs of the target graph's embedding and LM head, which a drafter graph may read as
+    inputs (the caller keeps those its drafter graph reads): initializers of an fp32 graph, the builder graph's own
+    (int4 / int8 quantized, fp16 / bf16) tables otherwise. Raises ExportError."""
+    if cfg.target_precision == "fp32":
+        return find_shared_weights(target_onnx)
+    from export.genai_target import GenaiBuildError
+    from export.genai_target import find_shared_weights as find_quantized_weights
 
-        try:
-            shared = find_quantized_weights(target_onnx)
-        except GenaiBuildError as e:
-            raise ExportError(str(e)) from e
-        tables = {name: torch.from_numpy(np.array(load_shared_table(target_onnx, spec)))
-                  for name, spec in shared.items()}
-        return shared, tables["embed_weight"], tables["lm_head_weight"]
-    return (find_shared_weights(target_onnx), *torch_tables)
+    try:
+        return find_quantized_weights(target_onnx)
+    except GenaiBuildError as e:
+        raise ExportError(str(e)) from e
+
+
+def _load_tables(target_onnx: Path, specs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embed, lm_head)``: float32 ``[vocab, hidden]`` torch tensors, read from the target graph as the runtime
+    will feed them (runtime/shared_tables.py: dequantized or widened), so the drafter is validated on what it will
+    run with. Read when needed and dropped after: a Qwen3-8B target's two tables are 5 GB in float32."""
+    from runtime.shared_tables import load_shared_table
+
+    embed, lm_head = (torch.from_numpy(np.array(load_shared_table(target_onnx, specs[name])))
+                      for name in ("embed_weight", "lm_head_weight"))
+    return embed, lm_head
+
+
+def _quantization_feed(fam: DrafterFamily, drafter_config, context: dict, target_onnx: Path, specs: dict,
+                       draft_ids) -> dict:
+    """The family's ``quantization_feed`` over the tables read again from the target graph."""
+    embed, lm_head = _load_tables(target_onnx, specs)
+    return fam.quantization_feed(drafter_config, context, embed, lm_head, draft_ids)
 
 
 def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: dict, shared: dict, draft_ids,

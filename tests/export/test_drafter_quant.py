@@ -122,3 +122,33 @@ def test_proposal_agreement_counts_per_slot(tiny_engines):
     same = proposal_agreement(src, src, feed)  # a graph against itself agrees everywhere, exactly
     assert same["slot_top1_agreement"] == [1.0] * (drafter.config.block_size - 1) and same["rows"] == 6
     assert same["max_abs_diff_logits"] == 0.0 and same["max_abs_logit"] > 0
+
+
+def test_the_streamed_fp16_conversion_equals_the_in_memory_one(tiny_engines, tmp_path):
+    """half_drafter_graph converts stored tensors one at a time from a memory map; on a copy of the same graph with
+    every tensor inline, the converter does it all in memory: both must write the same graph and the same values."""
+    from onnx import TensorProto, numpy_helper
+
+    from export.drafter_quant import half_drafter_graph
+
+    src = tiny_engines / "drafter" / "model.onnx"
+    stored = [t for t in onnx.load(str(src), load_external_data=False).graph.initializer
+              if t.data_location == TensorProto.EXTERNAL]
+    assert len(stored) > 5  # else the streamed path is not exercised
+    inline = tmp_path / "inline" / "model.onnx"
+    inline.parent.mkdir()
+    onnx.save(onnx.load(str(src)), str(inline))
+    half_drafter_graph(src, tmp_path / "streamed" / "model.onnx")
+    half_drafter_graph(inline, tmp_path / "memory" / "model.onnx")
+    a, b = (onnx.load(str(tmp_path / d / "model.onnx")) for d in ("streamed", "memory"))
+    assert [(n.op_type, list(n.input), list(n.output)) for n in a.graph.node] == [
+        (n.op_type, list(n.input), list(n.output)) for n in b.graph.node]
+    va = {t.name: numpy_helper.to_array(t) for t in a.graph.initializer}
+    vb = {t.name: numpy_helper.to_array(t) for t in b.graph.initializer}
+    assert va.keys() == vb.keys()
+    assert sum(v.dtype == np.float16 for v in va.values()) >= len(stored) // 2
+    for name in va:
+        assert va[name].dtype == vb[name].dtype and np.array_equal(va[name], vb[name]), name
+    shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in a.graph.value_info}
+    for t in stored:
+        assert shapes.get(t.name, list(t.dims)) == list(t.dims)
