@@ -296,11 +296,11 @@ def run_export(cfg: ExportConfig) -> dict:
         validation = {"target": _validate_target(cfg, reference, taps, target_path, target_io)}
         del reference
         tables = _shared_specs(cfg, target_path)
-        # the feed (up to GBs of target features and tables for a wide drafter) is made when the converted graph is
-        # checked, the tables read again from the target graph then
-        make_feed = (None if quant_context is None
-                     else functools.partial(_quantization_feed, fam, drafter.config, quant_context, target_path,
-                                            tables, draft_ids))
+        # the feeds (up to GBs of target features and tables for a wide drafter) are made when the converted graph
+        # is checked, the tables read again from the target graph then, the features one row chunk at a time
+        make_feeds = (None if quant_context is None
+                      else functools.partial(_quantization_feeds, fam, drafter.config, quant_context, target_path,
+                                             tables, draft_ids))
         del quant_context
         log.info("exporting drafter ...")
         drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
@@ -329,7 +329,7 @@ def run_export(cfg: ExportConfig) -> dict:
         gc.collect()
         if cfg.drafter_graph_precision != "fp32":
             validation[f"drafter_{cfg.drafter_graph_precision}"] = _quantize_drafter(
-                cfg, tmp, scratch, drafter_io, shared, draft_ids, make_feed)
+                cfg, tmp, scratch, drafter_io, shared, draft_ids, make_feeds)
         graphs = {"target": _graph_entry(tmp, tmp / "target" / "model.onnx", target_io),
                   "drafter": _graph_entry(tmp, tmp / "drafter" / "model.onnx", drafter_io)}
         graphs.update({name: _graph_entry(tmp, tmp / name / "model.onnx", io) for name, io in extra_io.items()})
@@ -416,17 +416,18 @@ def _load_tables(target_onnx: Path, specs: dict) -> tuple[torch.Tensor, torch.Te
     return embed, lm_head
 
 
-def _quantization_feed(fam: DrafterFamily, drafter_config, context: dict, target_onnx: Path, specs: dict,
-                       draft_ids) -> dict:
-    """The family's ``quantization_feed`` over the tables read again from the target graph."""
+def _quantization_feeds(fam: DrafterFamily, drafter_config, context: dict, target_onnx: Path, specs: dict,
+                        draft_ids):
+    """A function returning the family's ``quantization_feeds`` (row chunks, made as they are run) over the tables
+    read again from the target graph, once: they are held until the check ends."""
     embed, lm_head = _load_tables(target_onnx, specs)
-    return fam.quantization_feed(drafter_config, context, embed, lm_head, draft_ids)
+    return functools.partial(fam.quantization_feeds, drafter_config, context, embed, lm_head, draft_ids)
 
 
 def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: dict, shared: dict, draft_ids,
-                      make_feed) -> dict:
+                      make_feeds) -> dict:
     """Replace ``drafter/model.onnx`` (validated fp32) by its int8 or fp16 form (export/drafter_quant.py) and measure
-    how often it drafts the fp32 graph's tokens on real text (``make_feed()``: the family's ``quantization_feed``,
+    how often it drafts the fp32 graph's tokens on real text (``make_feeds()``: the family's ``quantization_feeds``,
     from target features computed while the target was loaded; made after the conversion, so the two never share
     memory). Updates ``drafter_io`` (precision, quantization, an LM head moved into the graph)
     and ``shared`` in place; returns ``validation.drafter_<precision>``. Raises ExportError."""
@@ -465,7 +466,7 @@ def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: d
             info = half_drafter_graph(float_dir / "model.onnx", tmp / "drafter" / "model.onnx")
     except DrafterQuantError as e:
         raise ExportError(str(e)) from e
-    check = proposal_agreement(float_dir / "model.onnx", checked, make_feed())
+    check = proposal_agreement(float_dir / "model.onnx", checked, make_feeds())
     check["min_slot1_agreement"] = MIN_SLOT1_AGREEMENT
     if check["slot_top1_agreement"][0] < MIN_SLOT1_AGREEMENT:
         raise ExportError(f"the {precision} drafter graph drafts the fp32 graph's first token at "

@@ -107,17 +107,18 @@ class DrafterFamily(abc.ABC):
         manifest's ``validation.drafter`` entry; raises export.validate's ValidationError."""
 
     def quantization_context(self, drafter, target, tokenizer) -> dict:
-        """What :meth:`quantization_feed` needs of the torch target (its features on real text), computed while the
+        """What :meth:`quantization_feeds` needs of the torch target (its features on real text), computed while the
         target is loaded so that the export can release it before the target graph is built. Only families listing
         a precision other than "fp32" in :attr:`drafter_precisions` implement it."""
         raise NotImplementedError(f"{self.family.value} drafters export in fp32 only")
 
-    def quantization_feed(self, config, context: dict, embed, lm_head, draft_ids: np.ndarray | None) -> dict:
-        """A batched feed of the exported drafter graph on real text (``config``: the drafter's config; ``context``:
-        :meth:`quantization_context`;
-        ``embed`` / ``lm_head``: the tables the runtime will feed, float32 ``[vocab, hidden]``), on which
-        ``--drafter-precision int8 / fp16 / bf16`` measures how often the converted graph drafts the float graph's
-        tokens (export/drafter_quant.py ``proposal_agreement``)."""
+    def quantization_feeds(self, config, context: dict, embed, lm_head, draft_ids: np.ndarray | None,
+                           rows: int = 48, chunk_rows: int = 8):
+        """Batched feeds of the exported drafter graph on real text, ``chunk_rows`` rows each, ``rows`` in all
+        (``config``: the drafter's config; ``context``: :meth:`quantization_context`; ``embed`` / ``lm_head``: the
+        tables the runtime will feed, float32 ``[vocab, hidden]``), on which ``--drafter-precision int8 / fp16 /
+        bf16`` measures how often the converted graph drafts the float graph's tokens (export/drafter_quant.py
+        ``proposal_agreement``). A generator: each chunk is made when it is run."""
         raise NotImplementedError(f"{self.family.value} drafters export in fp32 only")
 
     @abc.abstractmethod

@@ -119,29 +119,34 @@ class DFlashFamily(DrafterFamily):
         feats = torch.cat([hs[t + 1] for t in drafter.config.target_layer_ids], -1)[0].float().numpy()
         return {"ids": ids[0].numpy(), "features": feats}
 
-    def quantization_feed(self, config, context, embed, lm_head, draft_ids, rows: int = 48):
-        """``rows`` blocks drafted after real text: row r has the target's taps of the first p_r tokens as context
-        (empty past) and token p_r as its bonus; p_r spread over the context's tokens."""
+    def quantization_feeds(self, config, context, embed, lm_head, draft_ids, rows: int = 48, chunk_rows: int = 8):
+        """``rows`` blocks drafted after real text, yielded ``chunk_rows`` at a time: row r has the target's taps of
+        the first p_r tokens as context (empty past) and token p_r as its bonus; p_r spread over the context's
+        tokens. A chunk's ``target_hidden`` is ``[chunk, max p_r of the chunk, taps * hidden]`` float32."""
         from runtime.ragged import dflash_block
 
         c = config
         ids, feats = context["ids"], context["features"]
         ends = np.linspace(8, ids.shape[0] - 1, rows).astype(int)
         blk = c.block_size
-        hidden = np.zeros((rows, int(ends.max()), feats.shape[1]), np.float32)
-        tokens = np.full((rows, blk), c.mask_token_id, np.int64)
-        for r, p in enumerate(ends):
-            hidden[r, :p] = feats[:p]
-            tokens[r, 0] = ids[p]
-        pos, mask = dflash_block([0] * rows, ends.tolist(), 1, blk)  # one masked past slot: static graphs need >= 1
         head = lm_head if draft_ids is None else lm_head[torch.from_numpy(draft_ids)]  # unused by own-head graphs
-        empty = np.zeros((rows, c.num_key_value_heads, 1, c.head_dim), np.float32)
-        feed = {"input_ids": tokens, "target_hidden": hidden, "position_ids": pos, "attention_mask": mask,
-                "embed_weight": embed.numpy(), "lm_head_weight": head.numpy(),
-                "draft_slots": np.arange(1, blk, dtype=np.int64), "query_scale_enabled": np.ones(rows, np.float32)}
-        for i in range(c.num_hidden_layers):
-            feed[f"past_key.{i}"] = feed[f"past_value.{i}"] = empty
-        return feed
+        tables = {"embed_weight": embed.numpy(), "lm_head_weight": head.numpy(),
+                  "draft_slots": np.arange(1, blk, dtype=np.int64)}
+        for start in range(0, rows, chunk_rows):
+            part = ends[start:start + chunk_rows]
+            n = len(part)
+            hidden = np.zeros((n, int(part.max()), feats.shape[1]), np.float32)
+            tokens = np.full((n, blk), c.mask_token_id, np.int64)
+            for r, p in enumerate(part):
+                hidden[r, :p] = feats[:p]
+                tokens[r, 0] = ids[p]
+            pos, mask = dflash_block([0] * n, part.tolist(), 1, blk)  # one masked past slot: static graphs need >= 1
+            empty = np.zeros((n, c.num_key_value_heads, 1, c.head_dim), np.float32)
+            feed = {**tables, "input_ids": tokens, "target_hidden": hidden, "position_ids": pos,
+                    "attention_mask": mask, "query_scale_enabled": np.ones(n, np.float32)}
+            for i in range(c.num_hidden_layers):
+                feed[f"past_key.{i}"] = feed[f"past_value.{i}"] = empty
+            yield feed
 
     def manifest_entry(self, ckpt, drafter, k):
         c = drafter.config

@@ -104,7 +104,7 @@ def test_zero_point_heads_and_unknown_families_are_refused(tiny_int4_engines, tm
         ExportConfig(family="pard", out=tmp_path / "o", drafter_precision="int8")
 
 
-def test_proposal_agreement_counts_per_slot(tiny_engines):
+def test_proposal_agreement_counts_per_slot(tiny_engines, tmp_path):
     src = tiny_engines / "drafter" / "model.onnx"
     sess_inputs = {i.name for i in onnx.load(str(src), load_external_data=False).graph.input}
     assert "lm_head_weight" in sess_inputs
@@ -117,11 +117,24 @@ def test_proposal_agreement_counts_per_slot(tiny_engines):
     target, tok = load_target(m["target"]["source"])
     embed, head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
     context = fam.quantization_context(drafter, target, tok)
-    del target  # the feed is made after the target is released, as the export makes it
-    feed = fam.quantization_feed(drafter.config, context, embed, head, None, rows=6)
-    same = proposal_agreement(src, src, feed)  # a graph against itself agrees everywhere, exactly
-    assert same["slot_top1_agreement"] == [1.0] * (drafter.config.block_size - 1) and same["rows"] == 6
+    del target  # the feeds are made after the target is released, as the export makes them
+
+    def feeds(chunk_rows):
+        return lambda: fam.quantization_feeds(drafter.config, context, embed, head, None, rows=6,
+                                              chunk_rows=chunk_rows)
+
+    same = proposal_agreement(src, src, feeds(4))  # a graph against itself agrees everywhere, exactly
+    assert same["slot_top1_agreement"] == [1.0] * (drafter.config.block_size - 1)
+    assert (same["rows"], same["chunks"]) == (6, 2)
     assert same["max_abs_diff_logits"] == 0.0 and same["max_abs_logit"] > 0
+    # row chunks measure what one batch measures (the int8 graph differs from the fp32 one)
+    quantize_drafter_graph(src, tmp_path / "int8" / "model.onnx", None, None, None)
+    chunked = proposal_agreement(src, tmp_path / "int8" / "model.onnx", feeds(4))
+    whole = proposal_agreement(src, tmp_path / "int8" / "model.onnx", next(iter(feeds(6)())))
+    assert whole["chunks"] == 1 and chunked["chunks"] == 2 and chunked["rows"] == whole["rows"] == 6
+    assert chunked["slot_top1_agreement"] == whole["slot_top1_agreement"]
+    assert 0 < chunked["max_abs_diff_logits"] == pytest.approx(whole["max_abs_diff_logits"], rel=1e-4, abs=1e-5)
+    assert chunked["max_abs_logit"] == pytest.approx(whole["max_abs_logit"], rel=1e-5)
 
 
 def test_the_streamed_fp16_conversion_equals_the_in_memory_one(tiny_engines, tmp_path):
