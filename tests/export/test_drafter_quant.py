@@ -134,9 +134,9 @@ def test_proposal_agreement_counts_per_slot(tiny_engines, tmp_path):
     assert whole["chunks"] == 1 and chunked["chunks"] == 2 and chunked["rows"] == whole["rows"] == 6
     # MatMulNBits with int8 activations (accuracy_level 4) is not bit-identical across batch sizes on every CPU
     # (its kernel path depends on the row count: max |diff| 1.083 chunked vs 1.071 whole on one 2-core EPYC, equal on
-    # another), so the per-slot counts may move by at most one of the 6 rows and the largest difference by a few %
+    # another), so the per-slot counts may move by at most one row and the largest difference by a few %
     for c, w in zip(chunked["slot_top1_agreement"], whole["slot_top1_agreement"], strict=True):
-        assert abs(c - w) <= 1 / 6 + 1e-9, (chunked["slot_top1_agreement"], whole["slot_top1_agreement"])
+        assert abs(c - w) <= 1 / whole["rows"] + 1e-9, (chunked["slot_top1_agreement"], whole["slot_top1_agreement"])
     assert 0 < chunked["max_abs_diff_logits"] == pytest.approx(whole["max_abs_diff_logits"], rel=0.05)
     assert chunked["max_abs_logit"] == pytest.approx(whole["max_abs_logit"], rel=1e-5)
 
