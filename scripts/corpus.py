@@ -6,6 +6,8 @@ used for training or fitting: hamlet, othello, macbeth, argparse.py, typing.py, 
 """
 from __future__ import annotations
 
+import copy
+import functools
 import gzip
 import importlib.util
 import json
@@ -131,6 +133,14 @@ _TOPIC_TASKS = ("Explain the Python topic '{name}' to a beginner, with a short e
                 "Summarize this section of the Python language reference in a few sentences:\n\n{text}",
                 "Write a short Python program that illustrates this part of the Python reference:\n\n{text}",
                 "What are the most common mistakes people make with '{name}' in Python?")
+# Seeds >= 1 rotate the name-only topic requests (slots 0 and 3 above) through these, so a new seed asks new
+# questions instead of repeating seed 0's word for word (the chunk-based ones already draw new chunks).
+_TOPIC_NAME_TASKS_MORE = ("When would I use '{name}' in Python? Give two short examples.",
+                          "Write a short quiz (three questions with answers) about '{name}' in Python.",
+                          "Compare '{name}' in Python with how another language handles the same thing.",
+                          "I keep getting errors with '{name}' in Python. What should I check first?",
+                          "Give me a cheat sheet for '{name}' in Python.",
+                          "Explain '{name}' in Python in one paragraph, then show a small program that uses it.")
 _DOC_TASKS = ("Write a Python function `{sig}` that does the following: {doc}",
               "Explain what this Python function does, step by step:\n\n```python\n{src}\n```",
               "Write unit tests for this Python function:\n\n```python\n{src}\n```",
@@ -139,6 +149,17 @@ _DOC_TASKS = ("Write a Python function `{sig}` that does the following: {doc}",
 _HE_TASKS = ("Complete this Python function:\n\n```python\n{p}```",
              "Explain this programming problem in your own words, then solve it:\n\n```python\n{p}```",
              "Write three test cases for this function:\n\n```python\n{p}```")
+# Seeds >= 1 use three of these per task instead (rotating with the seed): {p} is the task's prompt as given,
+# {sig} its signature and {doc} its docstring as prose, so later seeds also vary the prompt's form.
+_HE_TASKS_MORE = ("Implement this function efficiently and explain the time complexity:\n\n```python\n{p}```",
+                  "Write a Python function `{sig}`. {doc}",
+                  "Find a simple solution to this problem, then a faster one:\n\n```python\n{p}```",
+                  "Here is a task: {doc} Write the function `{sig}` in Python with comments.",
+                  "What edge cases should a solution to this handle?\n\n```python\n{p}```",
+                  "Solve this without using any imports:\n\n```python\n{p}```",
+                  "Explain how you would solve this before writing any code, then write it:\n\n{doc}",
+                  "Write `{sig}` in Python and show an example call with its output. {doc}",
+                  "Turn this problem into a function with type hints and a docstring:\n\n{doc}")
 _PLAY_TASKS = ("Summarize this passage in plain modern English:\n\n{t}",
                "Continue this scene in the same style:\n\n{t}",
                "Who is speaking in this passage, and what do they want?\n\n{t}",
@@ -175,20 +196,58 @@ def _docstring_functions(text: str, limit: int, rng: random.Random) -> list[tupl
     return out[:limit]
 
 
+def _seed_templates(base: tuple[str, ...], more: tuple[str, ...], seed: int) -> tuple[str, ...]:
+    """``base`` for seed 0 (the committed corpus); for seed s >= 1, ``len(base)`` templates of ``more`` starting at
+    ``(s - 1) * len(base)``, wrapping around."""
+    if seed == 0:
+        return base
+    return tuple(more[((seed - 1) * len(base) + j) % len(more)] for j in range(len(base)))
+
+
+def _humaneval_parts(prompt: str) -> tuple[str, str]:
+    """(signature, docstring as one line of prose) of a HumanEval prompt's last function."""
+    import ast
+
+    fn = [n for n in ast.walk(ast.parse(prompt)) if isinstance(n, ast.FunctionDef)][-1]
+    doc = " ".join((ast.get_docstring(fn) or "").split(">>>")[0].split())
+    return f"{fn.name}({ast.unparse(fn.args)})", doc
+
+
 def instruction_conversations(seed: int = 0) -> list[dict]:
     """Training chat conversations, each ``{"source": str, "user": [first message, optional follow-up]}``.
 
     Built from training-only sources: pydoc topics (``pydoc_data.topics``), documented functions of the train-split
     standard-library modules (ast), HumanEval/40-163 and train-split play passages. About one in four carries a
-    follow-up turn (:data:`FOLLOW_UPS`), answered after the target's own first reply. Deterministic in ``seed``.
+    follow-up turn (:data:`FOLLOW_UPS`), answered after the target's own first reply. Deterministic in ``seed``;
+    seed 0 builds the committed corpus, and later seeds draw new passages, chunks and functions and rotate the
+    name-only topic requests and the HumanEval requests through new templates. A seed s >= 1 also drops every
+    conversation whose first message a lower seed already asked (a topic with one chunk, a function drawn again
+    with the same template), so no prompt is generated twice; that costs building seeds 0 .. s - 1 (~10-20 s each).
+
+    Raises:
+        ValueError: ``seed`` is negative.
     """
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    convs = copy.deepcopy(_conversations(seed))
+    if seed:
+        asked = {c["user"][0] for s in range(seed) for c in _conversations(s)}
+        convs = [c for c in convs if c["user"][0] not in asked]
+    return convs
+
+
+@functools.lru_cache(maxsize=4)
+def _conversations(seed: int) -> list[dict]:
+    """The conversations of ``seed`` before the filter against lower seeds (see instruction_conversations)."""
     import pydoc_data.topics
 
     rng = random.Random(seed)
     convs: list[dict] = []
+    named = _seed_templates((_TOPIC_TASKS[0], _TOPIC_TASKS[3]), _TOPIC_NAME_TASKS_MORE, seed)
+    topic_tasks = (named[0], _TOPIC_TASKS[1], _TOPIC_TASKS[2], named[1])
     for name, text in sorted(pydoc_data.topics.topics.items()):
         chunks = [c.strip() for c in text.split("\n\n") if len(c.strip()) > 200]
-        for task in _TOPIC_TASKS:
+        for task in topic_tasks:
             chunk = rng.choice(chunks)[:1500] if chunks else text[:1500]
             convs.append({"source": f"pydoc:{name}", "user": [task.format(name=name, text=chunk)]})
     for mod, text in stdlib_modules("train").items():
@@ -197,8 +256,10 @@ def instruction_conversations(seed: int = 0) -> list[dict]:
             convs.append({"source": f"stdlib:{mod}:{qual}",
                           "user": [task.format(sig=sig, doc=doc[:400], src=src, qual=qual, mod=mod[:-3])]})
     for row in humaneval("train"):
-        for task in _HE_TASKS:
-            convs.append({"source": f"humaneval:{row['task_id']}", "user": [task.format(p=row["prompt"])]})
+        sig, doc = _humaneval_parts(row["prompt"])
+        for task in _seed_templates(_HE_TASKS, _HE_TASKS_MORE, seed):
+            convs.append({"source": f"humaneval:{row['task_id']}",
+                          "user": [task.format(p=row["prompt"], sig=sig, doc=doc)]})
     for stem, text in plays("train").items():
         if stem.endswith("_gut_f"):
             continue  # one edition per play

@@ -49,6 +49,21 @@ def test_instruction_prompts_come_from_training_sources_only():
     assert sum(len(c["user"]) == 2 for c in convs) > 0.15 * len(convs)  # follow-up turns
 
 
+def test_a_new_seed_asks_new_questions():
+    """Seed 1 (the next corpus extension) repeats no first message of seed 0 and still covers every source kind;
+    its HumanEval requests use new templates and forms of the task (signature + prose docstring)."""
+    first = {c["user"][0] for c in instruction_conversations(0)}
+    convs = instruction_conversations(1)
+    assert convs == instruction_conversations(1) and len(convs) > 1500
+    assert not first & {c["user"][0] for c in convs}
+    assert {c["source"].split(":")[0] for c in convs} == {"pydoc", "stdlib", "humaneval", "play"}
+    he = [c["user"][0] for c in convs if c["source"].startswith("humaneval:")]
+    assert len(he) == 3 * len(humaneval("train"))
+    assert any("```" not in m for m in he) and any("```" in m for m in he)
+    with pytest.raises(ValueError, match="seed"):
+        instruction_conversations(-1)
+
+
 @pytest.mark.slow
 def test_batched_greedy_equals_the_runtime_target_only(tiny_int4_engines, monkeypatch):
     monkeypatch.setenv("SHARPDRAFT_TARGET_MIN_Q", "1")  # the runtime's plain 1-token path, as distill decodes
