@@ -155,15 +155,16 @@ def _record(row: dict) -> dict:
 def write_token_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int], sources: list[str],
                       item_ids: list[int]) -> None:
     """Write one token shard atomically (temp + rename): ids uint16, offsets int64, prompt_lens int32."""
-    from safetensors.numpy import save_file
+    from runtime.models.checkpoint_io import save_safetensors
 
     ids = np.concatenate([np.asarray(s, np.int64) for s in seqs])
     if ids.max() >= 2 ** 16:
         raise ValueError("token ids do not fit uint16; store int32 for this vocabulary")
     offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"ids": ids.astype(np.uint16), "offsets": offsets, "prompt_lens": np.asarray(prompt_lens, np.int32)},
-              str(tmp), metadata={"sources": json.dumps(sources), "items": json.dumps(item_ids)})
+    save_safetensors({"ids": ids.astype(np.uint16), "offsets": offsets,
+                      "prompt_lens": np.asarray(prompt_lens, np.int32)},
+                     tmp, metadata={"sources": json.dumps(sources), "items": json.dumps(item_ids)})
     tmp.replace(path)
 
 

@@ -444,7 +444,7 @@ def load_pard_folder(path: Path) -> PardDrafter:
 @click.option("--out", default="drafters/pard-smollm2-135m", type=click.Path(path_type=Path))
 def save(work: Path, out: Path):
     """Write config.json + model.safetensors (bf16, HF Llama keys + mask_embedding) + training_log.json."""
-    from safetensors.torch import save_file
+    from runtime.models.checkpoint_io import save_safetensors
     from transformers import LlamaConfig
 
     ck = torch.load(work / "ckpt.pt")
@@ -453,7 +453,7 @@ def save(work: Path, out: Path):
     d.load_state_dict(ck["model"])
     out.mkdir(parents=True, exist_ok=True)
     tensors = _safetensors_dict(d)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "recipe": "scripts/train_pard.py"})
+    save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt", "recipe": "scripts/train_pard.py"})
     (out / "config.json").write_text(json.dumps(drafter_config_json(cfg), indent=2) + "\n")
     kinds: dict[str, int] = {}
     if (work / "sequences.pt").exists():

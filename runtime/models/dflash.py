@@ -703,10 +703,10 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
 
 def save_dflash(model: DFlashDrafter, path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the public DFlash layout (plus ``mask_embedding``)."""
-    from safetensors.torch import save_file
+    from runtime.models.checkpoint_io import save_safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, path / "model.safetensors", metadata=metadata or {"format": "pt"})
+    save_safetensors(state, path / "model.safetensors", metadata=metadata or {"format": "pt"})

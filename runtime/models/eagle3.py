@@ -370,11 +370,11 @@ def load_eagle3(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Eagl
 def save_eagle3(model: Eagle3Drafter, path: str | Path, config: dict, metadata: dict[str, str] | None = None,
                 dtype: torch.dtype = torch.bfloat16) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the official layout (``midlayer.*``; d2t/t2d kept exact)."""
-    from safetensors.torch import save_file
+    from runtime.models.checkpoint_io import save_safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
              for k, v in model.state_dict().items()}
-    save_file(state, path / "model.safetensors", metadata=metadata or {"format": "pt"})
+    save_safetensors(state, path / "model.safetensors", metadata=metadata or {"format": "pt"})

@@ -1,0 +1,44 @@
+"""Write safetensors files with the modes the process umask allows.
+
+safetensors >= 0.8 writes through a temporary file that is created 0600 and renamed into place
+(safetensors/safetensors#782), so a checkpoint saved under umask 022 is readable by its owner only, while the
+``config.json`` beside it is 0644: a server, Triton or a colleague running as another user then fails with "no such
+file" or a permission error. :func:`save_safetensors` restores what a plain ``open()`` would have given.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def umask_file_mode(existing: str | Path | None = None) -> int:
+    """The permission bits a new regular file gets from ``open()``: ``0o666 & ~umask``; or, when ``existing`` names
+    a file that is being replaced, that file's own bits (an overwrite keeps the mode the user chose)."""
+    if existing is not None and os.path.isfile(existing):
+        return os.stat(existing).st_mode & 0o7777
+    mask = os.umask(0o022)  # read the umask (setting a harmless value for the instant in between), then restore it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file(tensors, path, metadata)``, then the mode of :func:`umask_file_mode`.
+
+    Args:
+        tensors: name -> ``torch.Tensor`` (contiguous, any dtype safetensors stores); numpy arrays are accepted too
+            and go through ``safetensors.numpy.save_file``.
+        path: the ``.safetensors`` file to write (its folder must exist).
+        metadata: the header's ``__metadata__`` (str -> str).
+
+    Raises:
+        OSError: the folder is missing or not writable (from safetensors).
+    """
+    path = Path(path)
+    mode = umask_file_mode(path)
+    first = next(iter(tensors.values()), None)
+    if first is not None and type(first).__module__ == "numpy":
+        from safetensors.numpy import save_file
+    else:
+        from safetensors.torch import save_file
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, mode)
