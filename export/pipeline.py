@@ -554,8 +554,9 @@ def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, emb
 def _honour_umask(root: Path) -> None:
     """Give the written folder the modes the umask allows (``tempfile.mkdtemp`` makes 0700 folders and some graph
     writers 0600 files, which a server or Triton running as another user could not read)."""
-    mask = os.umask(0)
-    os.umask(mask)
+    from runtime.models.checkpoint_io import current_umask
+
+    mask = current_umask()
     for dirpath, _, filenames in os.walk(root):
         os.chmod(dirpath, 0o777 & ~mask)
         for f in filenames:

@@ -11,14 +11,19 @@ import os
 from pathlib import Path
 
 
+def current_umask() -> int:
+    """The process umask (read by setting a harmless value for the instant in between, then restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def umask_file_mode(existing: str | Path | None = None) -> int:
     """The permission bits a new regular file gets from ``open()``: ``0o666 & ~umask``; or, when ``existing`` names
     a file that is being replaced, that file's own bits (an overwrite keeps the mode the user chose)."""
     if existing is not None and os.path.isfile(existing):
         return os.stat(existing).st_mode & 0o7777
-    mask = os.umask(0o022)  # read the umask (setting a harmless value for the instant in between), then restore it
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~current_umask()
 
 
 def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
