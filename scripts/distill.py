@@ -164,7 +164,7 @@ def write_token_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int],
     tmp = path.with_name(f".{path.name}.tmp")
     save_safetensors({"ids": ids.astype(np.uint16), "offsets": offsets,
                       "prompt_lens": np.asarray(prompt_lens, np.int32)},
-                     tmp, metadata={"sources": json.dumps(sources), "items": json.dumps(item_ids)})
+                     tmp, metadata={"sources": json.dumps(sources), "items": json.dumps(item_ids)}, mode_of=path)
     tmp.replace(path)
 
 

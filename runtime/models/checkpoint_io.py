@@ -26,22 +26,30 @@ def umask_file_mode(existing: str | Path | None = None) -> int:
     return 0o666 & ~current_umask()
 
 
-def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """``safetensors.torch.save_file(tensors, path, metadata)``, then the mode of :func:`umask_file_mode`.
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None,
+                     mode_of: str | Path | None = None) -> None:
+    """``safetensors.{torch,numpy}.save_file(tensors, path, metadata)``, then the mode of :func:`umask_file_mode`.
 
     Args:
-        tensors: name -> ``torch.Tensor`` (contiguous, any dtype safetensors stores); numpy arrays are accepted too
-            and go through ``safetensors.numpy.save_file``.
+        tensors: name -> ``torch.Tensor`` (contiguous, any dtype safetensors stores), or name -> ``numpy.ndarray``
+            for every entry (then ``safetensors.numpy.save_file`` writes it).
         path: the ``.safetensors`` file to write (its folder must exist).
         metadata: the header's ``__metadata__`` (str -> str).
+        mode_of: the file whose mode to keep when ``path`` is a temporary that will be renamed over it (default:
+            ``path`` itself, so a plain overwrite keeps the old file's mode and a new file follows the umask).
 
     Raises:
+        TypeError: ``tensors`` mixes numpy arrays with torch tensors (convert one kind first).
         OSError: the folder is missing or not writable (from safetensors).
     """
+    import numpy as np
+
     path = Path(path)
-    mode = umask_file_mode(path)
-    first = next(iter(tensors.values()), None)
-    if first is not None and type(first).__module__ == "numpy":
+    mode = umask_file_mode(path if mode_of is None else mode_of)
+    kinds = {isinstance(v, np.ndarray) for v in tensors.values()}
+    if kinds == {True, False}:
+        raise TypeError("save_safetensors: tensors mixes numpy arrays and torch tensors; convert them to one kind")
+    if kinds == {True}:
         from safetensors.numpy import save_file
     else:
         from safetensors.torch import save_file

@@ -45,3 +45,10 @@ def test_saved_drafter_is_readable_by_others(tmp_path, tiny_dflash_dir, umask):
     """The saver training scripts use (train_dflash.py save): model.safetensors used to be 0600 beside 0644 json."""
     save_dflash(load_dflash(tiny_dflash_dir), tmp_path / "out")
     assert _mode(tmp_path / "out" / "model.safetensors") == _mode(tmp_path / "out" / "config.json") == 0o644
+
+
+def test_mixed_kinds_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="one kind"):
+        save_safetensors({"a": torch.ones(2), "b": np.ones(2, np.float32)}, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+

@@ -120,3 +120,22 @@ def test_generate_then_features_recomputed_from_tokens(tiny_int4_engines, tmp_pa
     new = [i for s in man2["shards"][len(man["shards"]):] for i in s["items"]]
     assert not set(new) & done
     assert np.all([(corpus / s["file"]).exists() for s in man2["shards"]])
+
+
+def test_token_shard_overwrite_keeps_mode(tmp_path):
+    """write_token_shard writes a temporary and renames it: a new shard follows the umask, a replaced one keeps its
+    mode (safetensors >= 0.8 alone would leave 0600, safetensors#782)."""
+    import os
+    import stat
+
+    p = tmp_path / "shard_00000.safetensors"
+    old = os.umask(0o022)
+    try:
+        write_token_shard(p, [[1, 2, 3]], [1], ["play"], [0])
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o644
+        os.chmod(p, 0o600)
+        write_token_shard(p, [[4, 5]], [1], ["play"], [1])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    assert read_token_shard(p)[0] == [[4, 5]]
