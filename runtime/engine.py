@@ -36,6 +36,7 @@ from runtime.backends import DrafterBackend, TargetBackend, check_backend
 from runtime.metrics import SpecStats
 from runtime.modes import Backend, DrafterContext, Verification
 from runtime.draft_length import AdaptiveDraftTokens, DraftTokensByBatch
+from runtime.prompt_lookup import NgramIndex, PromptLookup
 from runtime.sampling import RowSampler, SamplingParams, TokenLogprob, token_logprob
 from runtime.stops import StopChecker
 
@@ -75,6 +76,7 @@ class Sequence:
     adaptive: AdaptiveDraftTokens | None = None  # per-request draft length (runtime/draft_length.py)
     prefill_group: str | None = None  # requests of one group with the same prompt share one prefill (n > 1)
     prefill_out: tuple | None = None  # (last logits, features) of this step's prefill, for the group's others
+    ngram: NgramIndex | None = None  # prompt lookup index (runtime/prompt_lookup.py), built at the first round
 
     @property
     def committed(self) -> int:
@@ -107,12 +109,16 @@ class SpecEngine:
         adaptive_draft_tokens: per request, lower k after rejections and raise it after fully accepted rounds
             (runtime/draft_length.py), within the request's k.
         check_invariants: assert docs/design.md §5's invariants after every round (tests).
+        prompt_lookup: n-gram drafts beside the drafter (runtime/prompt_lookup.py): a row whose last tokens occurred
+            before verifies the copy of what followed (up to ``num_tokens``, capped by ``draft_tokens_by_batch``)
+            and skips the drafter that round; None = the drafter alone.
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
                  check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None,
                  proposable_vocab: int | None = None, default_draft_tokens: int | None = None,
-                 draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False):
+                 draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False,
+                 prompt_lookup: PromptLookup | None = None):
         check_backend(target, TargetBackend)
         if drafter is not None:
             check_backend(drafter, DrafterBackend)
@@ -130,6 +136,7 @@ class SpecEngine:
         self.default_draft_tokens = min(default_draft_tokens or k_max, k_max)
         self.draft_tokens_by_batch = draft_tokens_by_batch
         self.adaptive_draft_tokens = adaptive_draft_tokens
+        self.prompt_lookup = prompt_lookup if drafter is not None else None
         self.adapter = None  # online draft adaptation (runtime/online_adapt.py attach); torch backend only
         self._rounds = 0
         self.manifest = manifest
@@ -361,9 +368,24 @@ class SpecEngine:
             if k > 0 and not self.drafter.can_draft(s.committed):
                 k = 0  # past the drafter's positions: this row continues target-only (exact)
             ks.append(k)
-        drafting = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[np.ndarray | None] = [None] * len(seqs)
+        looked_up = set()
+        if self.prompt_lookup is not None:  # n-gram copies first; the drafter drafts the rows without a match
+            for i, s in enumerate(seqs):
+                cap = min(s.params.max_new_tokens - len(s.out) - 1, by_load if by_load is not None else 1 << 30)
+                if s.num_draft_tokens == 0 or cap <= 0:
+                    continue
+                if s.ngram is None:
+                    s.ngram = self.prompt_lookup.new_index()
+                d, _ = s.ngram.propose(s.prompt_ids + s.out, cap)
+                if d:
+                    drafts[i], ks[i] = d, len(d)
+                    looked_up.add(i)
+                    if not s.params.greedy and self.verification == Verification.REJECTION:
+                        qs[i] = np.zeros((len(d), self.target.vocab_size), np.float64)  # a copy is certain: q one-hot
+                        qs[i][np.arange(len(d)), d] = 1.0
+        drafting = [i for i, k in enumerate(ks) if k > 0 and i not in looked_up]
         if drafting:
             rows = [seqs[i] for i in drafting]
             kind = self.drafter.context
@@ -400,7 +422,10 @@ class SpecEngine:
                                         for j in range(n_new))
             if k > 0:
                 s.stats.record_round(min(accepted, n_new), k)
-                if s.adaptive is not None:
+                if r in looked_up:
+                    s.stats.lookup_rounds += 1
+                    s.stats.lookup_accepted += min(accepted, n_new)
+                elif s.adaptive is not None:
                     s.adaptive.update(k, accepted)
             s.stats.draft_s += t1 - t0
             s.stats.verify_s += t2 - t1

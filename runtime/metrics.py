@@ -21,6 +21,8 @@ class SpecStats:
     verify_s: float = 0.0
     decode_s: float = 0.0  # wall time after prefill (drafting + verifying + loop overhead)
     new_tokens: int = 0
+    lookup_rounds: int = 0  # rounds whose draft was a prompt-lookup copy (runtime/prompt_lookup.py)
+    lookup_accepted: int = 0  # draft tokens accepted in those rounds
 
     def record_round(self, num_accepted: int, num_drafted: int | None = None) -> None:
         """One speculative round: ``num_accepted`` of ``num_drafted`` draft tokens kept (rounds without drafts are
@@ -61,6 +63,7 @@ class SpecStats:
                 "drafted_tokens": sum(self.drafted_per_position),
                 "accepted_per_position": list(self.accepted_per_position),
                 "drafted_per_position": list(self.drafted_per_position),
+                "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
                 "new_tokens": self.new_tokens, "tokens_per_s": round(self.tokens_per_s, 3),
                 "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
                 "verify_s": round(self.verify_s, 4), "decode_s": round(self.decode_s, 4)}

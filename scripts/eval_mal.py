@@ -26,6 +26,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.engine import SpecEngine  # noqa: E402
+from runtime.prompt_lookup import PromptLookup  # noqa: E402
 from runtime.sampling import VERIFICATION_SCHEMES, SamplingParams  # noqa: E402
 from scripts.corpus import chat_prompts, plays, stdlib_modules  # noqa: E402
 
@@ -48,11 +49,18 @@ END_TOKEN = 3500
 @click.option("--draft-tokens", type=click.IntRange(min=0), default=None,
               help="draft tokens verified per round (default: the engines folder's verify default); the drafter's "
                    "maximum measures its quality over the whole block")
+@click.option("--prompt-lookup", default=None, metavar="MIN[:MAX]:TOKENS",
+              help="also draft by prompt lookup (runtime/prompt_lookup.py), e.g. 3:5:7; off by default")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature: float, top_p: float,
          verification: str | None, seed: int, end_token: int, compare_query_scale: bool, draft_tokens: int | None,
-         json_out: Path | None):
+         prompt_lookup: str | None, json_out: Path | None):
     engine = SpecEngine.from_dir(engine_dir)
+    if prompt_lookup:
+        try:
+            engine.prompt_lookup = PromptLookup.parse(prompt_lookup)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--prompt-lookup") from None
     if verification:
         engine.verification = verification
     tok = engine.tokenizer
@@ -77,7 +85,8 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
         s = spec.stats
         row = {"prompt": name, "prompt_tokens": len(ids), "new_tokens": len(spec.token_ids),
                "mal": round(s.mean_accepted_length, 4), "acceptance": s.acceptance_per_position,
-               "spec_tok_s": round(s.tokens_per_s, 2), "target_tok_s": round(base.stats.tokens_per_s, 2)}
+               "spec_tok_s": round(s.tokens_per_s, 2), "target_tok_s": round(base.stats.tokens_per_s, 2),
+               "rounds": s.rounds, "lookup_rounds": s.lookup_rounds, "lookup_accepted": s.lookup_accepted}
         extra = ""
         if compare_query_scale:
             frozen = engine.generate(ids, params=dataclasses.replace(params, query_scale=False))
@@ -94,6 +103,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
                "temperature": temperature, "top_p": top_p, "verification": engine.verification,
                "draft_tokens": draft_tokens if draft_tokens is not None else engine.default_draft_tokens,
                "query_scale": engine.manifest["query_scale"],
+               "prompt_lookup": dataclasses.asdict(engine.prompt_lookup) if engine.prompt_lookup else None,
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
                "mal_by_kind": mean_by_kind(rows, "mal"),
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),
