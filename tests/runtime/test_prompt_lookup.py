@@ -142,3 +142,15 @@ def test_no_speculation_request_never_looks_up(engine):
     out = engine.generate(ids, params=SamplingParams(max_new_tokens=20, num_draft_tokens=0))
     assert out.stats.rounds == 0 and out.stats.lookup_rounds == 0
     assert out.token_ids == engine.generate_target_only(ids, 20).token_ids
+
+
+@pytest.mark.parametrize("module", ["runtime.generate", "runtime.serve"])
+def test_cli_rejects_a_bad_spec_before_loading(module, tmp_path):
+    """A bad --prompt-lookup ends with one usage error naming the option, before any engine folder is read."""
+    import importlib
+
+    from click.testing import CliRunner
+
+    main = importlib.import_module(module).main
+    res = CliRunner().invoke(main, ["--engine", str(tmp_path / "missing"), "--prompt-lookup", "4:2:7"])
+    assert res.exit_code == 2 and "--prompt-lookup" in res.output and "max_ngram" in res.output
