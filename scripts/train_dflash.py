@@ -39,6 +39,7 @@ from plugins.rule import QueryScaleProfile  # noqa: E402
 from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
 from scripts.corpus import chat_prompts, documents  # noqa: E402
+from scripts.train_common import compute_dtype, cpu_autocast  # noqa: E402
 
 SEQ_LEN = 512
 BLOCK = 8
@@ -106,7 +107,7 @@ def features(target, ids: torch.Tensor, lengths: list[int]) -> list[dict]:
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
         mask[i, :n] = 1
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with cpu_autocast():
         out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
     taps = torch.cat([out.hidden_states[i + 1] for i in TAPS], dim=-1).to(torch.bfloat16)
     labels = out.logits.argmax(-1).to(torch.int32)
@@ -123,7 +124,7 @@ def self_distill(target, tok, prompts: list[list[int]], new_tokens: int) -> list
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         am[i, width - len(p):] = 1
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with cpu_autocast():
         out = target.generate(ids, attention_mask=am, max_new_tokens=new_tokens, do_sample=False,
                               pad_token_id=tok.eos_token_id)
     seqs = []
@@ -273,9 +274,9 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
                label_map: torch.Tensor | None = None, slot_decay: float = 4.0):
     """Weighted CE and per-slot correctness for the blocks of one sequence at ``anchors`` [A].
 
-    ``lm_head`` is bf16 ``[V, hidden]``: the target's whole LM head, or only the rows of a draft vocabulary
-    (runtime/draft_vocab.py), in which case ``label_map`` int64 ``[vocab_size]`` maps a target token id to its row
-    (-1 for ids outside the draft vocabulary: those slots carry no loss and count as wrong, as at inference, where
+    ``lm_head`` is ``[V, hidden]`` in the compute dtype (scripts/train_common.py): the target's whole LM head, or
+    only the rows of a draft vocabulary (runtime/draft_vocab.py), in which case ``label_map`` int64 ``[vocab_size]``
+    maps a target token id to its row (-1 for ids outside the draft vocabulary: those slots carry no loss and count as wrong, as at inference, where
     the drafter cannot propose them). Slot j (1..B-1) is weighted exp(-(j-1)/slot_decay).
     Returns (loss scalar, correct bool [A, B-1], valid bool [A, B-1]).
     """
@@ -291,7 +292,7 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
         tgt = label_map[tgt]
         in_vocab = tgt >= 0
         tgt = tgt.clamp(min=0)
-    logits = (h.to(torch.bfloat16) @ lm_head.T).float()  # [A, B-1, V]
+    logits = (h.to(lm_head.dtype) @ lm_head.T).float()  # [A, B-1, V]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view_as(tgt)
     w = torch.exp(-(offs[1:].float() - 1) / slot_decay)[None].expand_as(ce) * (valid & in_vocab)
     correct = (logits.argmax(-1) == tgt) & valid & in_vocab
@@ -356,7 +357,7 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     torch.manual_seed(0)
     target, _ = load_target()
     embed = target.model.embed_tokens.weight.detach()
-    lm_head = target.lm_head.weight.detach().to(torch.bfloat16)
+    lm_head = target.lm_head.weight.detach().to(compute_dtype())
     label_map = None
     if draft_vocab_path is not None:
         from runtime.draft_vocab import load_draft_vocab
@@ -429,7 +430,7 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         for _ in range(seqs_per_step):
             rec = train_recs[rng.randrange(len(train_recs))]
             a = sample_anchors(rng, rec, anchors, gen_anchors)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with cpu_autocast():
                 loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **loss_kw)
             (loss / seqs_per_step).backward()
             tot_loss += loss.item() / seqs_per_step
@@ -485,14 +486,14 @@ def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
     losses, lens, slot_acc, gen_lens = [], [], [], []
     for rec in val_recs:
         a = sample_anchors(rng, rec, 32)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cpu_autocast():
             loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **(loss_kw or {}))
         losses.append(loss.item())
         lens.append(accept_len(correct).float().mean().item())
         slot_acc.append((correct.float().sum(0) / valid.float().sum(0).clamp(min=1)))
         a = sample_anchors(rng, rec, 32, generated_only=True)
         if a is not None:  # blocks where the drafter drafts at inference: after the prompt
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with cpu_autocast():
                 _, correct, _ = block_loss(d, rec, a, embed, lm_head, **(loss_kw or {}))
             gen_lens.append(accept_len(correct).float().mean().item())
     out = {"val_loss": sum(losses) / len(losses), "val_proxy_mal": sum(lens) / len(lens),

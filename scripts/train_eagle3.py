@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.train_common import cpu_autocast  # noqa: E402
 from runtime.models.dflash import rope_cos_sin  # noqa: E402
 from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3, save_eagle3  # noqa: E402
 
@@ -304,7 +305,7 @@ def train(data_dir: Path, work: Path, minutes: float, draft_vocab: int, ttt_step
         step_loss = 0.0
         for _ in range(seqs_per_step):
             rec = train_recs[rng.randrange(len(train_recs))]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with cpu_autocast():
                 loss, correct, valid = ttt_loss(d, rec, ttt_steps, embed, lookup)
             (loss / seqs_per_step).backward()
             step_loss += loss.item() / seqs_per_step
@@ -338,7 +339,7 @@ def validate(d, val_recs, steps, embed, lookup, advance=False) -> dict:
     for rec in val_recs:
         if rec["ids"].numel() < steps + 2:
             continue
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cpu_autocast():
             loss, correct, valid = ttt_loss(d, rec, steps, embed, lookup, advance)
         losses.append(loss.item())
         lens.append(chain_accept(correct, valid).float())

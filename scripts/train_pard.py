@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.train_common import compute_dtype, cpu_autocast  # noqa: E402
 
 SEQ_LEN = 512
 K = 8  # drafts per forward: the last real token's row + K-1 mask rows
@@ -239,7 +240,7 @@ def validate_recs(d: PardDrafter, recs: list[dict], table, lm_head, labels_mode:
         a = torch.tensor(sorted(rng.sample(cand, min(anchors_per_seq, len(cand)))))
         depth = torch.zeros(n, dtype=torch.long)
         depth[a] = COPIES
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cpu_autocast():
             out = pard_forward(d, ids, labels, depth, table, lm_head)
         v = out["valid"].float()
         real = (out["copy"] == 0).float() * v
@@ -268,7 +269,7 @@ def _target_tables():
 
     target, _ = load_target()
     table = target.model.embed_tokens.weight.detach()
-    lm_head = target.lm_head.weight.detach().to(torch.bfloat16)
+    lm_head = target.lm_head.weight.detach().to(compute_dtype())
     return target, table, lm_head
 
 
@@ -322,7 +323,7 @@ def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: st
             rec = train_recs[rng.randrange(len(train_recs))]
             ids, labels = rec["ids"].long(), rec_labels(rec, state["labels"])
             depth = cod_depths(ids.numel(), rng)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with cpu_autocast():
                 out = pard_forward(d, ids, labels, depth, table, lm_head)
             v = out["valid"].float()
             loss = out["ce"].sum() / v.sum()
