@@ -277,7 +277,8 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     ``lm_head`` is ``[V, hidden]`` in the compute dtype (scripts/train_common.py): the target's whole LM head, or
     only the rows of a draft vocabulary (runtime/draft_vocab.py), in which case ``label_map`` int64 ``[vocab_size]``
     maps a target token id to its row (-1 for ids outside the draft vocabulary: those slots carry no loss and count
-    as wrong, as at inference, where the drafter cannot propose them). Slot j (1..B-1) is weighted exp(-(j-1)/slot_decay).
+    as wrong, as at inference, where the drafter cannot propose them). Slot j (1..B-1) is weighted
+    exp(-(j-1)/slot_decay).
     Returns (loss scalar, correct bool [A, B-1], valid bool [A, B-1]).
     """
     labels = rec["labels"].long()
