@@ -84,7 +84,8 @@ def run_ort(engine, ids: list[int], new_tokens: int, speculative: bool, num_draf
         row |= {"mal": round(s.mean_accepted_length, 4), "rounds": s.rounds,
                 "acceptance": [round(a, 4) for a in s.acceptance_per_position],
                 "draft_ms_per_step": round(1000 * s.draft_s / len(decode), 3),
-                "verify_ms_per_step": round(1000 * s.verify_s / len(decode), 3)}
+                "verify_ms_per_step": round(1000 * s.verify_s / len(decode), 3),
+                "lookup_rounds": s.lookup_rounds, "lookup_accepted": s.lookup_accepted}
     return row
 
 

@@ -100,10 +100,14 @@ def test_bench_peers_on_tiny_int4_engines(tmp_path, tiny_target_dir, tiny_dflash
     out = tmp_path / "peers"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--engine", str(eng),
                         "--contexts", "64", "--kinds", "prose,chat", "--chat-prompts", "1", "--new-tokens", "12",
-                        "--no-fp32-peer", "--peer-dir", str(tmp_path / "built"), "--out", str(out)],
+                        "--no-fp32-peer", "--peer-dir", str(tmp_path / "built"), "--out", str(out),
+                        "--prompt-lookup", "1:3:5"],
                        capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "bench_peers.json").read_text())
+    assert "sharpdraft-int4+lookup" in res["configs"]
+    lk = res["summary"]["prose@64"]["sharpdraft-int4+lookup"]
+    assert lk["mal"] >= 1.0 and "x_sharpdraft-int4-target-only" in lk and lk["break_even_mal"] > 0
     assert set(res["summary"]) == {"prose@64", "chat"} and (out / "peers.png").read_bytes()[:4] == b"\x89PNG"
     for entry in res["prompts"].values():
         assert entry["lossless"]
