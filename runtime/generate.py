@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from runtime.prompt_lookup import click_option as prompt_lookup_option
+
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain how it works."
 
 
@@ -39,22 +41,16 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 @click.option("--adapt-lr", default=1e-4, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--adapt-interval", default=1, show_default=True, type=click.IntRange(min=1),
               help="verify rounds per gradient step")
-@click.option("--prompt-lookup", default=None, metavar="MIN[:MAX]:TOKENS",
-              help="also draft by prompt lookup, e.g. 3:5:7 (runtime/prompt_lookup.py); off by default")
+@prompt_lookup_option("also draft by prompt lookup, e.g. 3:5:7 (runtime/prompt_lookup.py); off by default")
 def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, json_out,
          online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup):
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
-    from runtime.prompt_lookup import PromptLookup
     from runtime.sampling import SamplingParams
 
     try:
-        lookup = None if prompt_lookup is None else PromptLookup.parse(prompt_lookup)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--prompt-lookup") from e
-    try:
         engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
-        engine.prompt_lookup = lookup
+        engine.prompt_lookup = prompt_lookup
         adapter = None
         if online_adapt is not None:
             from runtime.online_adapt import AdaptConfig, attach
@@ -95,7 +91,7 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "
                f"draft position: {[round(a, 2) for a in s.acceptance_per_position]}")
     if engine.prompt_lookup is not None:
-        click.echo(f"prompt lookup ({prompt_lookup}): {s.lookup_rounds} of the rounds verified a copy, "
+        click.echo(f"prompt lookup ({prompt_lookup.spec}): {s.lookup_rounds} of the rounds verified a copy, "
                    f"{s.lookup_accepted} of their draft tokens accepted")
     click.echo(f"speculative: {s.tokens_per_s:.1f} tokens/s (draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s)")
     precision = engine.manifest["target"]["precision"]

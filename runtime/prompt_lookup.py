@@ -57,8 +57,32 @@ class PromptLookup:
             return cls(*parts)
         raise ValueError(f"prompt lookup {spec!r}: expected MIN[:MAX]:TOKENS integers, e.g. '3:5:7'")
 
+    @property
+    def spec(self) -> str:
+        """The ``MIN:MAX:TOKENS`` form :meth:`parse` reads."""
+        return f"{self.min_ngram}:{self.max_ngram}:{self.num_tokens}"
+
     def new_index(self) -> "NgramIndex":
         return NgramIndex(self)
+
+
+def click_option(help: str):
+    """The ``--prompt-lookup MIN[:MAX]:TOKENS`` option of runtime.generate, runtime.serve and the scripts.
+
+    The command receives a :class:`PromptLookup` (``None`` when the option is absent); a bad spec ends as click's
+    usage error naming the option (exit status 2), before the command's body reads any engine folder.
+    """
+    import click
+
+    def to_lookup(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return PromptLookup.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return click.option("--prompt-lookup", default=None, metavar="MIN[:MAX]:TOKENS", callback=to_lookup, help=help)
 
 
 class NgramIndex:

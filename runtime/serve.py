@@ -37,6 +37,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncEngine, QueueFull, RequestStream
+from runtime.prompt_lookup import PromptLookup
+from runtime.prompt_lookup import click_option as prompt_lookup_option
 from runtime.protocol import (ChatMessage, ChatRequest, ChatShape, CommonRequest, CompletionRequest,  # noqa: F401
                               CompletionShape, error_body, sse, usage)
 from runtime.sampling import MAX_LOGPROBS, SamplingParams
@@ -477,34 +479,29 @@ def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bo
                    "(runtime/draft_length.py; requests that set num_draft_tokens keep theirs)")
 @click.option("--adaptive-draft-tokens", is_flag=True,
               help="per request: +2 draft tokens after a fully accepted round, -1 after a rejection")
-@click.option("--prompt-lookup", default=None, metavar="MIN[:MAX]:TOKENS",
-              help="also draft by prompt lookup, e.g. 3:5:7: a row whose last MIN..MAX tokens occurred before "
-                   "verifies what followed them (runtime/prompt_lookup.py); off by default")
+@prompt_lookup_option(
+    "also draft by prompt lookup, e.g. 3:5:7: a row whose last MIN..MAX tokens occurred before "
+    "verifies what followed them (runtime/prompt_lookup.py); off by default")
 def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_running: int, max_waiting: int,
          model_name: str | None, draft_tokens_by_batch: str | None, adaptive_draft_tokens: bool,
-         prompt_lookup: str | None) -> None:
+         prompt_lookup: PromptLookup | None) -> None:
     import uvicorn
 
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
 
     from runtime.draft_length import DraftTokensByBatch
-    from runtime.prompt_lookup import PromptLookup
 
     try:
         table = None if draft_tokens_by_batch is None else DraftTokensByBatch.parse(draft_tokens_by_batch)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--draft-tokens-by-batch") from e
     try:
-        lookup = None if prompt_lookup is None else PromptLookup.parse(prompt_lookup)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--prompt-lookup") from e
-    try:
         engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
     except (EngineDirError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     engine.draft_tokens_by_batch, engine.adaptive_draft_tokens = table, adaptive_draft_tokens
-    engine.prompt_lookup = lookup
+    engine.prompt_lookup = prompt_lookup
     _ = engine.tokenizer  # load before serving
     app = create_app(AsyncEngine(engine, max_running, max_waiting), model_name or engine_dir.resolve().name)
     uvicorn.run(app, host=host, port=port, log_level="info")

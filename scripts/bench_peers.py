@@ -42,8 +42,15 @@ import click
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime.prompt_lookup import click_option as prompt_lookup_option  # noqa: E402
+
 PROSE, CODE = "hamlet_gut", "argparse.py"
 REFERENCE = "ortgenai-int4"
+
+
+def target_only_of(config: str) -> str:
+    """The same-precision target-only config a speculative config is compared with ("+lookup" keeps its target)."""
+    return f"{config.split('+')[0]}-target-only"
 
 
 def build_peer(hf_dir: Path, out: Path, precision: str) -> Path:
@@ -104,7 +111,7 @@ def summarise(result: dict) -> dict:
                     for k in ("decode_tokens_per_s", "tokens_per_s", "prefill_s")}
             if "step_ms_median" in runs[0][c]:
                 g[c]["step_ms"] = round(statistics.median(r[c]["step_ms_median"] for r in runs), 3)
-            for base in (REFERENCE, f"{c.split('+')[0]}-target-only"):  # "+lookup": the same target-only
+            for base in (REFERENCE, target_only_of(c)):
                 if base in runs[0] and base != c:
                     g[c][f"x_{base}"] = round(statistics.geometric_mean(
                         r[c]["decode_tokens_per_s"] / r[base]["decode_tokens_per_s"] for r in runs), 3)
@@ -116,7 +123,7 @@ def summarise(result: dict) -> dict:
                                       zip(*(r[c]["acceptance"] for r in runs))]
                 for k in ("draft_ms_per_step", "verify_ms_per_step"):
                     g[c][k] = round(statistics.mean(r[c][k] for r in runs), 3)
-                base = f"{c.split('+')[0]}-target-only"
+                base = target_only_of(c)
                 if base in runs[0]:
                     step = statistics.median(r[base]["step_ms_median"] for r in runs)
                     g[c]["break_even_mal"] = round((g[c]["draft_ms_per_step"] + g[c]["verify_ms_per_step"]) / step,
@@ -182,9 +189,9 @@ def _table(result: dict) -> str:
 @click.option("--peer-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/peers"),
               show_default=True, help="where the ORT GenAI graphs are built (reused)")
 @click.option("--no-fp32-peer", is_flag=True, help="skip ortgenai-fp32")
-@click.option("--prompt-lookup", default=None, metavar="MIN[:MAX]:TOKENS",
-              help="also run sharpdraft-int4+lookup: the int4 pair with prompt lookup drafts "
-                   "(runtime/prompt_lookup.py)")
+@prompt_lookup_option(
+    "also run sharpdraft-int4+lookup: the int4 pair with prompt lookup drafts "
+    "(runtime/prompt_lookup.py)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/peers"),
               show_default=True)
 def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end_token, peer_dir, no_fp32_peer,
@@ -195,15 +202,10 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
 
     from runtime.engine import SpecEngine
     from runtime.models.target import resolve_target
-    from runtime.prompt_lookup import PromptLookup
     from scripts.corpus import document_prompts as _prompts
     from scripts.bench_speed import run_ort
     from scripts.corpus import chat_prompts as make_chat
 
-    try:
-        lookup = None if prompt_lookup is None else PromptLookup.parse(prompt_lookup)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--prompt-lookup") from None
     engines = {"int4": SpecEngine.from_dir(engine_dir)}
     if engines["int4"].manifest["target"].get("precision") != "int4":
         raise click.BadParameter(f"{engine_dir} was not exported with --target-precision int4", param_hint="--engine")
@@ -225,7 +227,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
     if "chat" in kind_list:
         for i, ids in enumerate(make_chat("heldout", tok, chat_prompts)):
             prompts[f"chat/{i}"] = ids
-    configs = [*peers, "sharpdraft-int4", *(["sharpdraft-int4+lookup"] if lookup else []),
+    configs = [*peers, "sharpdraft-int4", *(["sharpdraft-int4+lookup"] if prompt_lookup else []),
                "sharpdraft-int4-target-only", "sharpdraft-int4-target-only-q1"]
     if "fp32" in engines:
         configs += ["sharpdraft-fp32", "sharpdraft-fp32-target-only"]
@@ -241,7 +243,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
             finally:
                 engine.target.min_q = saved
         if c.endswith("+lookup"):
-            engine.prompt_lookup = lookup
+            engine.prompt_lookup = prompt_lookup
             try:
                 return run_ort(engine, ids, new_tokens, speculative=True)
             finally:
@@ -256,7 +258,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
         run_ort(e, warm, 4, False)
     result = {"engine": str(engine_dir), "engine_fp32": str(engine_fp32) if engine_fp32 else None,
               "new_tokens": new_tokens, "contexts": ctxs, "kinds": kind_list, "configs": configs,
-              "ortgenai": og.__version__, "prompt_lookup": prompt_lookup,
+              "ortgenai": og.__version__, "prompt_lookup": prompt_lookup.spec if prompt_lookup else None,
               "builder_graphs": {k: str(peer_dir / k.split("-")[1]) for k in peers},
               "prompts": {}}
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +266,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
         order = configs[i % len(configs):] + configs[: i % len(configs)]
         runs = {c: run(c, ids) for c in order}
         lossless = runs["sharpdraft-int4"]["token_ids"] == runs["sharpdraft-int4-target-only"]["token_ids"]
-        if lookup:
+        if prompt_lookup:
             lossless &= (runs["sharpdraft-int4+lookup"]["token_ids"]
                          == runs["sharpdraft-int4-target-only"]["token_ids"])
         if "fp32" in engines:

@@ -27,6 +27,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.engine import SpecEngine  # noqa: E402
 from runtime.prompt_lookup import PromptLookup  # noqa: E402
+from runtime.prompt_lookup import click_option as prompt_lookup_option  # noqa: E402
 from runtime.sampling import VERIFICATION_SCHEMES, SamplingParams  # noqa: E402
 from scripts.corpus import chat_prompts, plays, stdlib_modules  # noqa: E402
 
@@ -49,18 +50,14 @@ END_TOKEN = 3500
 @click.option("--draft-tokens", type=click.IntRange(min=0), default=None,
               help="draft tokens verified per round (default: the engines folder's verify default); the drafter's "
                    "maximum measures its quality over the whole block")
-@click.option("--prompt-lookup", default=None, metavar="MIN[:MAX]:TOKENS",
-              help="also draft by prompt lookup (runtime/prompt_lookup.py), e.g. 3:5:7; off by default")
+@prompt_lookup_option(
+    "also draft by prompt lookup (runtime/prompt_lookup.py), e.g. 3:5:7; off by default")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature: float, top_p: float,
          verification: str | None, seed: int, end_token: int, compare_query_scale: bool, draft_tokens: int | None,
-         prompt_lookup: str | None, json_out: Path | None):
+         prompt_lookup: PromptLookup | None, json_out: Path | None):
     engine = SpecEngine.from_dir(engine_dir)
-    if prompt_lookup:
-        try:
-            engine.prompt_lookup = PromptLookup.parse(prompt_lookup)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--prompt-lookup") from None
+    engine.prompt_lookup = prompt_lookup
     if verification:
         engine.verification = verification
     tok = engine.tokenizer
