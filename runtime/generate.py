@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain how it works."
@@ -41,7 +42,10 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 @click.option("--adapt-lr", default=1e-4, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--adapt-interval", default=1, show_default=True, type=click.IntRange(min=1),
               help="verify rounds per gradient step")
-@prompt_lookup_option("also draft by prompt lookup, e.g. 3:5:7 (runtime/prompt_lookup.py); off by default")
+@prompt_lookup_option(
+    "also draft by prompt lookup: a row whose last MIN..MAX tokens occurred before verifies what followed them "
+    "instead of the drafter's guess (runtime/prompt_lookup.py); 'off' for the drafter alone",
+    default=PROMPT_LOOKUP_DEFAULT)
 def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, json_out,
          online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup):
     from runtime.engine import SpecEngine

@@ -66,25 +66,6 @@ class PromptLookup:
         return NgramIndex(self)
 
 
-def click_option(help: str):
-    """The ``--prompt-lookup MIN[:MAX]:TOKENS`` option of runtime.generate, runtime.serve and the scripts.
-
-    The command receives a :class:`PromptLookup` (``None`` when the option is absent); a bad spec ends as click's
-    usage error naming the option (exit status 2), before the command's body reads any engine folder.
-    """
-    import click
-
-    def to_lookup(ctx, param, value):
-        if value is None:
-            return None
-        try:
-            return PromptLookup.parse(value)
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-
-    return click.option("--prompt-lookup", default=None, metavar="MIN[:MAX]:TOKENS", callback=to_lookup, help=help)
-
-
 class NgramIndex:
     """Per-sequence index of the n-grams of ``tokens`` (prompt ids + emitted ids), grown as tokens commit."""
 
@@ -127,3 +108,27 @@ class NgramIndex:
                     out.append(tokens[pos] if pos < n_tok else out[pos - n_tok])
                 return out, n
         return [], 0
+
+
+DEFAULT_SPEC = "3:5:7"  # runtime.generate / runtime.serve default: measured in docs/quantized-target.md (run F)
+
+
+def click_option(help: str, default: str | None = None):
+    """The ``--prompt-lookup MIN[:MAX]:TOKENS|off`` option of runtime.generate, runtime.serve and the scripts.
+
+    The command receives a :class:`PromptLookup`, or ``None`` for ``off`` (and when the option is absent and
+    ``default`` is None); a bad spec ends as click's usage error naming the option (exit status 2), before the
+    command's body reads any engine folder.
+    """
+    import click
+
+    def to_lookup(ctx, param, value):
+        if value is None or value.strip().lower() in ("off", "none", "0"):
+            return None
+        try:
+            return PromptLookup.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return click.option("--prompt-lookup", default=default, show_default=default is not None,
+                        metavar="MIN[:MAX]:TOKENS|off", callback=to_lookup, help=help)

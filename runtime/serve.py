@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncEngine, QueueFull, RequestStream
+from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
 from runtime.prompt_lookup import PromptLookup
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 from runtime.protocol import (ChatMessage, ChatRequest, ChatShape, CommonRequest, CompletionRequest,  # noqa: F401
@@ -480,8 +481,9 @@ def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bo
 @click.option("--adaptive-draft-tokens", is_flag=True,
               help="per request: +2 draft tokens after a fully accepted round, -1 after a rejection")
 @prompt_lookup_option(
-    "also draft by prompt lookup, e.g. 3:5:7: a row whose last MIN..MAX tokens occurred before "
-    "verifies what followed them (runtime/prompt_lookup.py); off by default")
+    "also draft by prompt lookup: a row whose last MIN..MAX tokens occurred before verifies what followed them "
+    "instead of the drafter's guess (runtime/prompt_lookup.py); 'off' for the drafter alone",
+    default=PROMPT_LOOKUP_DEFAULT)
 def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_running: int, max_waiting: int,
          model_name: str | None, draft_tokens_by_batch: str | None, adaptive_draft_tokens: bool,
          prompt_lookup: PromptLookup | None) -> None:

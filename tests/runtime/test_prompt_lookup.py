@@ -154,3 +154,23 @@ def test_cli_rejects_a_bad_spec_before_loading(module, tmp_path):
     main = importlib.import_module(module).main
     res = CliRunner().invoke(main, ["--engine", str(tmp_path / "missing"), "--prompt-lookup", "4:2:7"])
     assert res.exit_code == 2 and "--prompt-lookup" in res.output and "max_ngram" in res.output
+
+
+def test_click_option_default_off_and_spec():
+    """The shared option: the command's default applies when absent, 'off' disables, a spec parses."""
+    import click
+    from click.testing import CliRunner
+
+    from runtime.prompt_lookup import DEFAULT_SPEC, click_option
+
+    seen = []
+
+    @click.command()
+    @click_option("lookup", default=DEFAULT_SPEC)
+    def cmd(prompt_lookup):
+        seen.append(prompt_lookup)
+
+    for args in ([], ["--prompt-lookup", "off"], ["--prompt-lookup", "2:4:6"]):
+        assert CliRunner().invoke(cmd, args).exit_code == 0
+    assert seen == [PromptLookup.parse(DEFAULT_SPEC), None, PromptLookup(2, 4, 6)]
+    assert PromptLookup(2, 4, 6).spec == "2:4:6" and PromptLookup.parse("2:4:6") == PromptLookup(2, 4, 6)
