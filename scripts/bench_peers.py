@@ -132,6 +132,24 @@ def summarise(result: dict) -> dict:
     return out
 
 
+def headline(result: dict) -> dict:
+    """The issue's figure: per context, each configuration's decode-speed ratio to ``ortgenai-int4`` as a geo-mean
+    over the prompt kinds (``prose@ctx``, ``code@ctx`` and the context-free ``chat`` group), with whether every
+    group was lossless. Needs ``result["summary"]`` (summarise)."""
+    out = {}
+    for ctx in result["contexts"]:
+        groups = [g for name, g in result["summary"].items() if name.endswith(f"@{ctx}") or "@" not in name]
+        if not groups:
+            continue
+        row = {"groups": len(groups), "lossless": all(g["lossless"] for g in groups)}
+        for c in result["configs"]:
+            ratios = [g[c].get(f"x_{REFERENCE}") for g in groups]
+            if all(r is not None for r in ratios):
+                row[c] = round(statistics.geometric_mean(ratios), 3)
+        out[str(ctx)] = row
+    return out
+
+
 def _plot(result: dict, path: Path) -> Path:
     import matplotlib
 
@@ -173,6 +191,10 @@ def _table(result: dict) -> str:
                          f"{e['prefill_s']:>8.2f} {e.get('mal', float('nan')):>5.2f} "
                          f"{e.get('x_' + REFERENCE, float('nan')):>11.3f}")
         lines.append(f"{group:<12} lossless {g['lossless']}")
+    for ctx, row in result.get("headline", {}).items():
+        ratios = ", ".join(f"{c} {v:.2f}x" for c, v in row.items() if c not in ("groups", "lossless"))
+        lines.append(f"geo-mean x {REFERENCE} at {ctx} over {row['groups']} kinds (lossless {row['lossless']}): "
+                     f"{ratios}")
     return "\n".join(lines)
 
 
@@ -285,6 +307,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
         if not lossless:
             raise SystemExit(f"{key}: speculative output differs from target-only greedy (lossless check failed)")
     result["summary"] = summarise(result)
+    result["headline"] = headline(result)
     (out / "bench_peers.json").write_text(json.dumps(result, indent=1))
     png = _plot(result, out / "peers.png")
     print(_table(result))

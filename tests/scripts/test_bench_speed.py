@@ -109,6 +109,12 @@ def test_bench_peers_on_tiny_int4_engines(tmp_path, tiny_target_dir, tiny_dflash
     lk = res["summary"]["prose@64"]["sharpdraft-int4+lookup"]
     assert lk["mal"] >= 1.0 and "x_sharpdraft-int4-target-only" in lk and lk["break_even_mal"] > 0
     assert set(res["summary"]) == {"prose@64", "chat"} and (out / "peers.png").read_bytes()[:4] == b"\x89PNG"
+    head = res["headline"]["64"]  # geo-mean over prose@64 and chat of each configuration's ratio to ORT GenAI int4
+    assert head["groups"] == 2 and head["lossless"] is True
+    want = (res["summary"]["prose@64"]["sharpdraft-int4+lookup"]["x_ortgenai-int4"]
+            * res["summary"]["chat"]["sharpdraft-int4+lookup"]["x_ortgenai-int4"]) ** 0.5
+    assert head["sharpdraft-int4+lookup"] == pytest.approx(want, abs=2e-3) and "ortgenai-int4" not in head
+    assert "geo-mean x ortgenai-int4 at 64 over 2 kinds" in r.stdout
     for entry in res["prompts"].values():
         assert entry["lossless"]
         # the runtime's 1-token path reproduces ORT GenAI's own generator on the same builder graph
