@@ -211,6 +211,20 @@ def _engine_spec(spec: str, option: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
+def _check_torch_folder(path: Path) -> None:
+    """The online rows run on the torch backend, which rebuilds the fp32 target from the manifest's source: a folder
+    whose target graph is quantized would be compared with another model. Raises click.BadParameter."""
+    try:
+        precision = json.loads((path / "manifest.json").read_text())["target"].get("precision", "fp32")
+    except (OSError, ValueError, KeyError) as e:
+        raise click.BadParameter(f"{path} is not an engines folder ({e})", param_hint="--online-engine") from e
+    if precision != "fp32":
+        raise click.BadParameter(
+            f"the online rows run on the torch backend, which rebuilds the fp32 target; {path} holds a {precision} "
+            "target. Export the same drafter with --target-precision fp32 and pass it as --online-engine",
+            param_hint="--online-engine")
+
+
 @click.command()
 @click.option("--engine", "engines", multiple=True,
               help="LABEL=DIR engines folder run with its exported query-scale profile (repeatable); the first also "
@@ -224,6 +238,9 @@ def _engine_spec(spec: str, option: str) -> tuple[str, Path]:
 @click.option("--chat", default=0, show_default=True, type=click.IntRange(0, 6),
               help="document-grounded chat prompts per context (the first N held-out documents)")
 @click.option("--online", default="", help="comma-separated online adaptation modes to add: lora, full (torch backend)")
+@click.option("--online-engine", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="engines folder of the same drafter exported with --target-precision fp32, for the torch-backend "
+                   "rows (target-only-torch and the online ones); default: the first --engine")
 @click.option("--adapt-rank", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--adapt-lr", default=1e-4, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--adapt-interval", default=1, show_default=True, type=click.IntRange(min=1))
@@ -234,8 +251,8 @@ def _engine_spec(spec: str, option: str) -> tuple[str, Path]:
                    "(resume an interrupted benchmark, or re-summarise)")
 @click.option("--worker", hidden=True, default=None)
 @click.option("--scale-off", hidden=True, is_flag=True)
-def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, online, adapt_rank, adapt_lr,
-         adapt_interval, threads, out, reuse, worker, scale_off):
+def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, online, online_engine, adapt_rank,
+         adapt_lr, adapt_interval, threads, out, reuse, worker, scale_off):
     adapt = {"rank": adapt_rank, "lr": adapt_lr, "interval": adapt_interval}
     if worker is not None:  # child process: one configuration, prompts from the parent's prompts.json
         label, _, path = worker.partition("=")
@@ -255,6 +272,9 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
     labels = [lb for lb, _ in pairs + frozen_pairs]
     if len(set(labels)) != len(labels):
         raise click.BadParameter(f"labels must be unique, got {labels}", param_hint="--engine")
+    torch_dir = online_engine or pairs[0][1]
+    if modes:  # refused here, not after the ONNX Runtime rows have run: the torch backend rebuilds the fp32 target
+        _check_torch_folder(torch_dir)
     from transformers import AutoTokenizer
 
     from scripts.corpus import document_prompts
@@ -274,7 +294,7 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
     configs = [("target-only", first, True), ("frozen", first, False), *((lb, p, True) for lb, p in pairs),
                *((lb, p, False) for lb, p in frozen_pairs)]
     if modes:
-        configs += [(TORCH_BASE, first, False)] + [(f"{m}-online", first, False) for m in modes]
+        configs += [(TORCH_BASE, torch_dir, False)] + [(f"{m}-online", torch_dir, False) for m in modes]
     runs = {}
     for label, path, scale in configs:
         earlier = out / f"run_{label}.json"
@@ -294,7 +314,11 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
             cmd += ["--threads", str(threads)]
         if not scale:
             cmd.append("--scale-off")
-        subprocess.run(cmd, check=True)
+        done = subprocess.run(cmd)
+        if done.returncode != 0:
+            raise click.ClickException(
+                f"configuration {label} failed (exit {done.returncode}; its error is printed above); the finished "
+                f"configurations are kept in {out}: fix the cause and rerun with --reuse")
         runs[label] = json.loads((out / f"run_{label}.json").read_text())
         click.echo(f"{label}: {time.perf_counter() - t0:.0f} s, peak RSS {runs[label]['peak_rss_mb']:.0f} MB")
     for label, run in runs.items():

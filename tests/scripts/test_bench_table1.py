@@ -58,3 +58,13 @@ def test_bench_refuses_unknown_document_mode_and_label(tiny_engines, tmp_path):
     r = subprocess.run([sys.executable, BENCH, "--engine", f"lora-online={tiny_engines}", "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode != 0 and "reserved" in r.stderr
+
+
+def test_online_rows_refuse_a_quantized_folder_before_running_anything(tiny_int4_engines, tmp_path):
+    """The torch backend rebuilds the fp32 target: an int4 folder for the online rows is refused up front, with what
+    to do, and nothing has run."""
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, BENCH, "--engine", f"s={tiny_int4_engines}", "--online", "lora",
+                        "--contexts", "64", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and "--target-precision fp32" in r.stderr and "--online-engine" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
