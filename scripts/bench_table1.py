@@ -25,7 +25,11 @@ prefill, peak RSS, trainable parameters; ``--reuse`` keeps finished configuratio
 parameters, peak memory, MAL per context, decode speedup vs target-only).
 
   python scripts/bench_table1.py --engine paper=runs/engines/dflash-paper \\
-      --engine fitted=runs/engines/dflash-fitted --online lora,full --chat 2 --contexts 512,1024,4096,8000
+      --engine fitted=runs/engines/dflash-fitted --online lora,full --online-engine runs/engines/dflash-fp32 \\
+      --chat 2 --contexts 512,1024,4096,8000
+
+The online rows run on the torch backend, which rebuilds the fp32 target: ``--online-engine`` names an fp32 export
+of the same drafter when the ``--engine`` folders hold the (default) int4 target.
 """
 from __future__ import annotations
 
