@@ -110,7 +110,7 @@ class NgramIndex:
         return [], 0
 
 
-DEFAULT_SPEC = "3:5:7"  # runtime.generate / runtime.serve default: measured in docs/quantized-target.md (run F)
+DEFAULT_SPEC = "3:5:7"  # runtime.generate / runtime.serve default: docs/quantized-target.md, runs F and G
 
 
 def click_option(help: str, default: str | None = None):

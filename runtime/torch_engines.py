@@ -320,6 +320,21 @@ def manifest_profile(manifest: dict[str, Any]) -> QueryScaleProfile:
     return QueryScaleProfile.from_dict({k: v for k, v in manifest["query_scale"].items() if k in names})
 
 
+def check_torch_backend(manifest: dict) -> None:
+    """What the torch backend can rebuild from a manifest (``load_manifest``'s dict): a DFlash drafter and the fp32
+    target (a quantized target folder holds another model than the one it would rebuild). Reads no files, so callers
+    can refuse a folder before any work (scripts/bench_table1.py). Raises EngineDirError saying what to do."""
+    from runtime.manifest import EngineDirError
+
+    family, precision = manifest["drafter"]["family"], manifest["target"]["precision"]
+    if Family.parse(family) != Family.DFLASH:  # a capability of this backend, not a family rule
+        raise EngineDirError(f"the torch backend runs DFlash drafters only, this folder has {family!r}")
+    if precision != "fp32":
+        raise EngineDirError(f"this folder's target is {precision} (ONNX Runtime GenAI's builder "
+                             "graph); the torch backend rebuilds the fp32 target from its source, another model: "
+                             "use --backend onnxruntime, or export with --target-precision fp32 for the torch backend")
+
+
 def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, base_dir: Path | None = None,
                              attention_impl: str = "fused") -> tuple[TorchTarget, TorchDFlashDrafter]:
     """Build the torch target + drafter an engines/ folder was exported from.
@@ -336,13 +351,8 @@ def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, 
     from runtime.models.dflash import CheckpointError
     from runtime.models.target import DEFAULT_TARGET, TargetLoadError
 
+    check_torch_backend(manifest)
     drafter_info, target_info = manifest["drafter"], manifest["target"]
-    if Family.parse(drafter_info["family"]) != Family.DFLASH:  # a capability of this backend, not a family rule
-        raise EngineDirError(f"the torch backend runs DFlash drafters only, this folder has {drafter_info['family']!r}")
-    if target_info["precision"] != "fp32":
-        raise EngineDirError(f"this folder's target is {target_info['precision']} (ONNX Runtime GenAI's builder "
-                             "graph); the torch backend rebuilds the fp32 target from its source, another model: "
-                             "use --backend onnxruntime, or export with --target-precision fp32 for the torch backend")
     source = target_info["source"]
     if source != DEFAULT_TARGET:
         cand = Path(source)

@@ -216,17 +216,16 @@ def _engine_spec(spec: str, option: str) -> tuple[str, Path]:
 
 
 def _check_torch_folder(path: Path) -> None:
-    """The online rows run on the torch backend, which rebuilds the fp32 target from the manifest's source: a folder
-    whose target graph is quantized would be compared with another model. Raises click.BadParameter."""
+    """Refuse, before any row runs, a folder the torch-backend rows cannot rebuild (runtime/torch_engines.py's own
+    check: a DFlash drafter and an fp32 target). Raises click.BadParameter naming --online-engine."""
+    from runtime.manifest import EngineDirError, load_manifest
+    from runtime.torch_engines import check_torch_backend
+
     try:
-        precision = json.loads((path / "manifest.json").read_text())["target"].get("precision", "fp32")
-    except (OSError, ValueError, KeyError) as e:
-        raise click.BadParameter(f"{path} is not an engines folder ({e})", param_hint="--online-engine") from e
-    if precision != "fp32":
-        raise click.BadParameter(
-            f"the online rows run on the torch backend, which rebuilds the fp32 target; {path} holds a {precision} "
-            "target. Export the same drafter with --target-precision fp32 and pass it as --online-engine",
-            param_hint="--online-engine")
+        check_torch_backend(load_manifest(path, verify_checksums=False, require_graphs=False))
+    except EngineDirError as e:
+        raise click.BadParameter(f"{path}: {e}; pass an fp32 export of the same drafter as --online-engine",
+                                 param_hint="--online-engine") from e
 
 
 @click.command()
