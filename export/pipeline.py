@@ -375,7 +375,9 @@ def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> 
         why = ("has sliding-window layers, which the fused op (causal windows only) cannot run"
                if drafter.config.sliding else "stores its own LM head (speculators format), which the fused graph "
                "form does not take")
-        raise ExportError(f"--fused-attention: this drafter {why}; export without --fused-attention")
+        hint = ("; the shipped full-attention DFlash drafter fuses: --checkpoint drafters/dflash-smollm2-135m"
+                if drafter.config.sliding and cfg.family == "dflash" else "")
+        raise ExportError(f"--fused-attention: this drafter {why}; export without --fused-attention{hint}")
     if cfg.target_precision != "fp32":
         from export.genai_target import GenaiBuildError, builder_taps
 

@@ -15,7 +15,9 @@ from plugins.rule import Family
 
 class DFlashFamily(DrafterFamily):
     family = Family.DFLASH
-    default_checkpoint = REPO_ROOT / "drafters" / "dflash-smollm2-135m"
+    # the shipped default: layer 0 sliding-window (768 keys), layer 1 full; drafters/dflash-smollm2-135m is the
+    # all-full-attention drafter it was trained from (the long-context study's diluting drafter, --fused-attention)
+    default_checkpoint = REPO_ROOT / "drafters" / "dflash-smollm2-135m-swa768-1full"
     rewrite_num_keys = {"num_keys_input": "attention_mask", "num_keys_from": NumKeysFrom.KEY_MASK}
     # N per batch row from the key mask: ragged batches right-pad rows, so a Shape would overcount them
     num_keys_note = "per batch row: sum of the drafter's attention_mask"

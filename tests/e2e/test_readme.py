@@ -96,7 +96,9 @@ def test_table_command(workdir, index):
     argv = _argv(cmd, tmp, tiny)
     if cmd.startswith("sharpdraft-export"):
         if "--checkpoint" not in cmd:
-            argv += ["--checkpoint", str(tiny["drafter"]), "--target", str(tiny["target"])]
+            argv += ["--checkpoint", str(tiny["drafter"])]
+        if "--target" not in cmd:
+            argv += ["--target", str(tiny["target"])]
         argv = [a if a != str(tmp / "engines/") else str(tmp / f"engines-{index}") for a in argv]
         r = _run(argv + TINY)
         assert r.returncode == 0, r.stderr[-3000:]

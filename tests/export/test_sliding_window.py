@@ -71,7 +71,7 @@ def test_export_validates_and_decoding_is_lossless(swa_dir, tiny_target_dir, tmp
     torch_eng = SpecEngine.from_dir(tmp_path / "e", device="cpu", backend="torch", check_invariants=True)
     out = torch_eng.generate(ids, 24)  # the torch backend runs the windowed layers on the eager attention
     assert out.token_ids == torch_eng.generate_target_only(ids, 24).token_ids and out.stats.rounds > 0
-    with pytest.raises(ExportError, match="sliding-window layers"):
+    with pytest.raises(ExportError, match="sliding-window layers.*--checkpoint drafters/dflash-smollm2-135m"):
         run_export(ExportConfig(family="dflash", out=tmp_path / "f", checkpoint=swa_dir,
                                 target=str(tiny_target_dir), target_precision="fp32", ref_keys=64,
                                 fused_attention=True))
