@@ -14,9 +14,14 @@ tokens in all). Configurations, each in its own child process (so peak memory is
   ``fitted`` = ``sharpdraft-calibrate --write-engine``, ``swa-beta`` = a sliding-window drafter's folder);
 - one per ``--frozen-engine LABEL=DIR``: that folder with the scale off (``swa`` = the sliding-window drafter alone);
 - with ``--online lora,full``: ``target-only-torch`` (the first folder's pair rebuilt in PyTorch, the reference of
-  the next two), ``lora-online`` and ``full-online``: the frozen drafter adapted online to the target's verified
+  the next three), ``frozen-torch`` (the same drafter frozen on that backend, query scale off: what adaptation
+  starts from), ``lora-online`` and ``full-online``: the frozen drafter adapted online to the target's verified
   tokens (runtime/online_adapt.py; ``--adapt-rank``, ``--adapt-lr``, ``--adapt-interval``), one adapter across all
   prompts in order, as a server would.
+
+``--rounds R`` runs every configuration R times, each round in a rotated order (round r starts r * n / R
+configurations further on), so slow drift of the machine does not favour the configurations that run first; timings
+per prompt are the median over rounds, peak RSS the largest, and every round must give the same tokens.
 
 Every speculative output is checked token for token against its backend's target-only (greedy: lossless). Writes
 ``bench_table1.json`` (per prompt and configuration: MAL, acceptance per position, tokens/s with and without
@@ -50,7 +55,10 @@ sys.path.insert(0, str(ROOT))
 END_TOKEN = 7700
 ONLINE = {"lora-online": "lora", "full-online": "full"}
 TORCH_BASE = "target-only-torch"
-RESERVED = ("target-only", "frozen", TORCH_BASE, *ONLINE)
+FROZEN_TORCH = "frozen-torch"
+TORCH_CONFIGS = (TORCH_BASE, FROZEN_TORCH, *ONLINE)
+RESERVED = ("target-only", "frozen", *TORCH_CONFIGS)
+TIMINGS = ("prefill_s", "decode_s", "draft_s", "verify_s", "tokens_per_s", "decode_tokens_per_s")
 CHAT_TASK = "\n\nSummarise the passage above in a few sentences."
 
 
@@ -83,7 +91,7 @@ def _worker(engine_dir: Path, config: str, prompts: dict[str, list[int]], new_to
     from runtime.engine import SpecEngine
     from runtime.sampling import SamplingParams
 
-    torch_backend = config in ONLINE or config == TORCH_BASE
+    torch_backend = config in TORCH_CONFIGS
     engine = SpecEngine.from_dir(engine_dir, threads=threads, backend="torch" if torch_backend else "onnxruntime")
     adapter = None
     if config in ONLINE:
@@ -113,9 +121,35 @@ def _worker(engine_dir: Path, config: str, prompts: dict[str, list[int]], new_to
             "online": adapter.stats() if adapter is not None else None}
 
 
+def rotations(configs: list, rounds: int) -> list[list]:
+    """The run order of each round: round r starts ``r * len(configs) // rounds`` configurations further on (round 0
+    is the given order), so over the rounds every configuration runs early and late."""
+    n = len(configs)
+    return [configs[r * n // rounds:] + configs[:r * n // rounds] for r in range(rounds)]
+
+
+def merge_rounds(label: str, runs: list[dict]) -> dict:
+    """One configuration's rounds as one run: per prompt the median of every timing in :data:`TIMINGS` over rounds,
+    peak RSS the largest; MAL, acceptance and tokens come from round 0.
+
+    Raises:
+        SystemExit: two rounds gave different tokens for a prompt (greedy decoding must be deterministic).
+    """
+    merged = json.loads(json.dumps(runs[0]))
+    for name, row in merged["rows"].items():
+        for other in runs[1:]:
+            if other["rows"][name]["token_ids"] != row["token_ids"]:
+                raise SystemExit(f"{label} {name}: rounds gave different tokens (greedy must be deterministic)")
+        for key in TIMINGS:
+            row[key] = statistics.median(r["rows"][name][key] for r in runs)
+    merged["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    merged["rounds"] = len(runs)
+    return merged
+
+
 def _baseline(config: str) -> str:
     """The target-only configuration a configuration is checked and timed against (same backend)."""
-    return TORCH_BASE if config in ONLINE or config == TORCH_BASE else "target-only"
+    return TORCH_BASE if config in TORCH_CONFIGS else "target-only"
 
 
 def _trainable_params(engine_dir: Path) -> int:
@@ -249,19 +283,25 @@ def _check_torch_folder(path: Path) -> None:
 @click.option("--adapt-interval", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", type=int, default=None)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/table1"), show_default=True)
+@click.option("--only", default=None,
+              help="comma-separated configurations to run (their target-only baseline is added), e.g. the torch "
+                   "rows at fewer contexts: frozen-torch,lora-online,full-online")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="run every configuration this many times, each round in a rotated order; timings are medians")
 @click.option("--reuse", is_flag=True,
               help="keep a configuration's earlier run_<label>.json in --out when it covers the same prompts "
                    "(resume an interrupted benchmark, or re-summarise)")
 @click.option("--worker", hidden=True, default=None)
+@click.option("--worker-out", hidden=True, default=None)
 @click.option("--scale-off", hidden=True, is_flag=True)
 def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, online, online_engine, adapt_rank,
-         adapt_lr, adapt_interval, threads, out, reuse, worker, scale_off):
+         adapt_lr, adapt_interval, threads, out, only, rounds, reuse, worker, worker_out, scale_off):
     adapt = {"rank": adapt_rank, "lr": adapt_lr, "interval": adapt_interval}
     if worker is not None:  # child process: one configuration, prompts from the parent's prompts.json
         label, _, path = worker.partition("=")
         prompts = json.loads((out / "prompts.json").read_text())
         res = _worker(Path(path), label, prompts, new_tokens, threads, not scale_off, adapt)
-        (out / f"run_{label}.json").write_text(json.dumps(res))
+        (out / (worker_out or f"run_{label}.json")).write_text(json.dumps(res))
         return
     if not engines:
         raise click.UsageError("pass at least one --engine LABEL=DIR")
@@ -297,33 +337,46 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
     configs = [("target-only", first, True), ("frozen", first, False), *((lb, p, True) for lb, p in pairs),
                *((lb, p, False) for lb, p in frozen_pairs)]
     if modes:
-        configs += [(TORCH_BASE, torch_dir, False)] + [(f"{m}-online", torch_dir, False) for m in modes]
-    runs = {}
-    for label, path, scale in configs:
-        earlier = out / f"run_{label}.json"
-        if reuse and earlier.is_file():
-            run = json.loads(earlier.read_text())
-            if (run["engine"] == str(path) and run.get("max_new_tokens") == new_tokens
-                    and run.get("query_scale_on", scale) == scale
-                    and {n: r["prompt_ids"] for n, r in run["rows"].items()} == prompts):
-                runs[label] = run
-                click.echo(f"{label}: reusing {earlier}")
-                continue
-        t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--worker", f"{label}={path}", "--new-tokens", str(new_tokens),
-               "--out", str(out), "--adapt-rank", str(adapt_rank), "--adapt-lr", str(adapt_lr),
-               "--adapt-interval", str(adapt_interval)]
-        if threads:
-            cmd += ["--threads", str(threads)]
-        if not scale:
-            cmd.append("--scale-off")
-        done = subprocess.run(cmd)
-        if done.returncode != 0:
-            raise click.ClickException(
-                f"configuration {label} failed (exit {done.returncode}; its error is printed above); the finished "
-                f"configurations are kept in {out}: fix the cause and rerun with --reuse")
-        runs[label] = json.loads((out / f"run_{label}.json").read_text())
-        click.echo(f"{label}: {time.perf_counter() - t0:.0f} s, peak RSS {runs[label]['peak_rss_mb']:.0f} MB")
+        configs += [(TORCH_BASE, torch_dir, False), (FROZEN_TORCH, torch_dir, False)]
+        configs += [(f"{m}-online", torch_dir, False) for m in modes]
+    if only:
+        keep = {c.strip() for c in only.split(",") if c.strip()}
+        unknown = sorted(keep - {c for c, _, _ in configs})
+        if unknown:
+            raise click.BadParameter(f"unknown configurations {unknown}; this command has "
+                                     f"{[c for c, _, _ in configs]}", param_hint="--only")
+        keep |= {_baseline(c) for c in keep}  # the lossless check and the speedups need each one's target-only
+        configs = [c for c in configs if c[0] in keep]
+    per_round: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+    for r, order in enumerate(rotations(configs, rounds)):
+        for label, path, scale in order:
+            name = f"run_{label}.json" if r == 0 else f"run_{label}.r{r}.json"
+            earlier = out / name
+            if reuse and earlier.is_file():
+                run = json.loads(earlier.read_text())
+                if (run["engine"] == str(path) and run.get("max_new_tokens") == new_tokens
+                        and run.get("query_scale_on", scale) == scale
+                        and {n: row["prompt_ids"] for n, row in run["rows"].items()} == prompts):
+                    per_round[label].append(run)
+                    click.echo(f"{label}: reusing {earlier}")
+                    continue
+            t0 = time.perf_counter()
+            cmd = [sys.executable, __file__, "--worker", f"{label}={path}", "--worker-out", name,
+                   "--new-tokens", str(new_tokens), "--out", str(out), "--adapt-rank", str(adapt_rank),
+                   "--adapt-lr", str(adapt_lr), "--adapt-interval", str(adapt_interval)]
+            if threads:
+                cmd += ["--threads", str(threads)]
+            if not scale:
+                cmd.append("--scale-off")
+            done = subprocess.run(cmd)
+            if done.returncode != 0:
+                raise click.ClickException(
+                    f"configuration {label} failed (exit {done.returncode}; its error is printed above); the "
+                    f"finished configurations are kept in {out}: fix the cause and rerun with --reuse")
+            per_round[label].append(json.loads(earlier.read_text()))
+            click.echo(f"{label}{f' (round {r + 1})' if rounds > 1 else ''}: {time.perf_counter() - t0:.0f} s, "
+                       f"peak RSS {per_round[label][-1]['peak_rss_mb']:.0f} MB")
+    runs = {label: merge_rounds(label, rs) for label, rs in per_round.items()}
     for label, run in runs.items():
         base = runs[_baseline(label)]["rows"]
         for name, row in run["rows"].items():
@@ -331,7 +384,9 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
                 raise SystemExit(f"{label} {name}: output differs from {_baseline(label)} greedy (lossless broken)")
     manifest = json.loads((first / "manifest.json").read_text())
     result = {"family": manifest["drafter"]["family"], "contexts": contexts, "new_tokens": new_tokens,
-              "end_token": end_token, "configs": [c for c, _, _ in configs], "adapt": adapt if modes else None,
+              "end_token": end_token, "rounds": rounds,
+              "orders": [[c for c, _, _ in order] for order in rotations(configs, rounds)],
+              "configs": [c for c, _, _ in configs], "adapt": adapt if modes else None,
               "drafter_params": _trainable_params(first), "runs": runs}
     result["summary"] = _summary(result)
     result["trainable_params"] = {c: _trainable(result, c) for c in result["configs"]}
