@@ -11,8 +11,9 @@ on real long documents (offline; never the evaluation documents of ``scripts/eva
    N per family (docs/design.md §1): DFlash, one draft block after s context tokens (N = s + block size for every block
    query); PARD and EAGLE-3 (causal), the document's query row at position N - 1 (N = position + 1).
 3. Takes the frozen mass at the drafter's training length (``--train-keys``; default the ``ref_keys`` the checkpoint
-   ships, else 512) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged),
-   and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap`` e^0.5 and ``top_k`` kept: "fitted"); a
+   ships, else 512) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged
+   over the full-attention layers: a DFlash sliding-window layer's N stops at its window, so it does not dilute
+   with N, and beta reaches it only through its own N, as in the exported graph), and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap`` e^0.5 and ``top_k`` kept: "fitted"); a
    variant also frees the cap up to the largest required beta ("fitted-free-cap"; ``--fit-cap`` selects it), which
    restores the mass at every N instead of stopping at the cap.
 4. Re-runs the drafter with the family's paper profile, the checkpoint's own profile and the fitted one, and
@@ -125,6 +126,10 @@ class DFlashRunner:
         self.B = drafter.config.block_size
         self.embed = target.get_input_embeddings().weight
         self.layers = [layer.self_attn for layer in drafter.layers]
+        # sliding-window layers (layer_types): beta per layer from that layer's own visible keys, as the exported
+        # graph and the torch backend compute it; only the full layers dilute with N, so only they are fitted
+        self.windows = list(drafter.config.windows)
+        self.fit_layers = [i for i, w in enumerate(self.windows) if w is None] or list(range(len(self.windows)))
 
     def prepare(self, ids: list[int]) -> dict:
         t = torch.tensor(ids, dtype=torch.long)
@@ -152,11 +157,16 @@ class DFlashRunner:
                 rec = _Recorder(self.layers)
                 block = torch.full((1, self.B), self.d.config.mask_token_id, dtype=torch.long)
                 block[0, 0] = doc["ids"][s]
-                beta = None if profile is None else float(profile.beta(s + self.B))
+                if profile is None:
+                    scale = {}
+                elif self.d.config.sliding:  # per layer from its own mask: a windowed layer's N stops at its window
+                    scale = {"profile": profile, "key_mask": torch.ones(1, s + self.B, dtype=torch.bool)}
+                else:
+                    scale = {"query_scale": float(profile.beta(s + self.B))}
                 with torch.no_grad(), attention_probe.record(rec):
                     emb = self.d.embed_block(block, self.embed)
                     h, _ = self.d(emb, no_new_context, torch.arange(s, s + self.B)[None],
-                                  [(k[:, :, :s], v[:, :, :s]) for k, v in doc["kv"]], query_scale=beta)
+                                  [(k[:, :, :s], v[:, :, :s]) for k, v in doc["kv"]], **scale)
                     drafted = (h[0, 1:] @ self.embed.T).argmax(-1)  # slot j predicts position s + j
                 truth = doc["pred"][s:s + self.B - 1]  # target's greedy token for positions s+1 .. s+B-1
                 ok = (drafted == truth).long()
@@ -173,6 +183,8 @@ class _CausalRunner:
     attentions to probe, what the target pass taps, and how the drafter forward turns rows into drafted ids."""
 
     shift = 0  # rows the drafter's inputs are shifted by (EAGLE-3 reads token p + 1 at row p)
+    windows: list = []  # every layer full attention
+    fit_layers = None  # every probed layer is fitted
 
     def __init__(self, drafter, target):
         self.d, self.target = drafter, target
@@ -288,8 +300,10 @@ def _summarise(points: list[_Point], top_k: int) -> list[dict]:
     return rows
 
 
-def _required_betas(points: list[_Point], frozen: list[dict], train_keys: int, top_k: int, cap: float):
-    """Per grid point, the beta (mean over layers) restoring each layer's mass at N nearest ``train_keys``."""
+def _required_betas(points: list[_Point], frozen: list[dict], train_keys: int, top_k: int, cap: float,
+                    fit_layers: list[int] | None = None):
+    """Per grid point, the beta (mean over ``fit_layers``, None = every layer) restoring each layer's mass at N
+    nearest ``train_keys``."""
     by_n = {r["num_keys"]: r for r in frozen}
     ref_n = min(by_n, key=lambda n: (abs(math.log(n / train_keys)), n))
     target_mass = {lay["layer"]: lay["mass"] for lay in by_n[ref_n]["layers"]}
@@ -302,6 +316,8 @@ def _required_betas(points: list[_Point], frozen: list[dict], train_keys: int, t
             continue
         per_layer = []
         for i, chunks in p.scores.items():
+            if fit_layers is not None and i not in fit_layers:
+                continue
             # rows of one grid point differ in N by a few keys: pad to one width with -inf
             width = max(c.shape[-1] for c in chunks)
             s = torch.cat([torch.nn.functional.pad(c.reshape(-1, c.shape[-1]), (0, width - c.shape[-1]),
@@ -350,7 +366,8 @@ def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_gri
     frozen = _summarise(frozen_pts, top_k)
     if not frozen:
         raise CalibrationError("the documents are too short for every grid point")
-    ref_n, target_mass, required = _required_betas(frozen_pts, frozen, train_keys, top_k, paper.cap)
+    fit_layers = runner.fit_layers
+    ref_n, target_mass, required = _required_betas(frozen_pts, frozen, train_keys, top_k, paper.cap, fit_layers)
     ns, bs = [n for n, _ in required], [b for _, b in required]
     fitted, rmse = fit_profile(ns, bs, top_k=top_k, cap=paper.cap)
     # variant: the cap freed up to the largest required beta (restores the mass at every N, not just up to the cap)
@@ -369,6 +386,7 @@ def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_gri
     return {"family": spec.family.value, "proxy": spec.calibration_proxy, "top_k": top_k,
             "documents": {k: len(v) for k, v in docs.items()},
             "train_keys": train_keys, "mass_reference_num_keys": ref_n, "mass_to_keep": target_mass,
+            "layer_windows": list(runner.windows), "fit_layers": fit_layers,
             "required_beta": [{"num_keys": n, "beta": b} for n, b in required],
             "fitted_profile": fitted.to_dict(), "fit_rmse": rmse, "fitted_free_cap_profile": fitted_free.to_dict(),
             "fit_free_cap_rmse": rmse_free, "frozen": frozen, "scaled": scaled}

@@ -121,3 +121,25 @@ def test_cli_refuses_bad_grid(tiny_engines, tmp_path):
     assert r.exit_code != 0 and "positions" in r.output
     r = CliRunner().invoke(cal.main, ["--out", str(tmp_path)])
     assert r.exit_code != 0 and "--engine" in r.output
+
+
+def test_a_sliding_window_layer_is_scaled_by_its_own_n_and_left_out_of_the_fit(tmp_path, tiny_target):
+    """DFlash with layer 0 windowed: beta reaches that layer only through its own N (<= window + block), as in the
+    exported graph, so under a profile whose ref_keys exceeds the window its scores are the frozen ones; the fit
+    uses the full layer only."""
+    from tests.conftest import write_tiny_dflash
+
+    window = 96
+    drafter = _drafter("dflash", write_tiny_dflash(tmp_path / "swa", sliding_window=window))
+    assert drafter.config.windows == [window, None]
+    ck = QueryScaleProfile(ref_keys=200, slope=4.0)  # beta(N) = 1 for N <= 200 > window + block
+    res = cal.calibrate("dflash", drafter, tiny_target, _docs(tiny_target.config.vocab_size), n_grid=GRID,
+                        train_keys=128, checkpoint_profile=ck, progress=False)
+    assert res["fit_layers"] == [1] and res["layer_windows"] == [window, None]
+    for frozen, scaled in zip(res["frozen"], res["scaled"]["checkpoint"]["points"]):
+        assert scaled["layers"][0]["mass"] == pytest.approx(frozen["layers"][0]["mass"], abs=1e-6)
+        if frozen["num_keys"] >= 512:  # the full layer: beta > 1 raises its mass
+            assert scaled["layers"][1]["mass"] > frozen["layers"][1]["mass"]
+    # the windowed layer does not dilute past its window: its mass at 512 and 1024 keys is the same within noise
+    m = {p["num_keys"]: p["layers"][0]["mass"] for p in res["frozen"]}
+    assert abs(m[512] - m[1024]) < 0.05
