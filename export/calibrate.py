@@ -11,7 +11,7 @@ on real long documents (offline; never the evaluation documents of ``scripts/eva
    N per family (docs/design.md §1): DFlash, one draft block after s context tokens (N = s + block size for every block
    query); PARD and EAGLE-3 (causal), the document's query row at position N - 1 (N = position + 1).
 3. Takes the frozen mass at the drafter's training length (``--train-keys``; default the ``ref_keys`` the checkpoint
-   ships, else 512) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged
+   ships, else 512; added to the grid when it lies inside it) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged
    over the full-attention layers: a DFlash sliding-window layer's N stops at its window, so it does not dilute
    with N, and beta reaches it only through its own N, as in the exported graph), and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap`` e^0.5 and ``top_k`` kept: "fitted"); a
    variant also frees the cap up to the largest required beta ("fitted-free-cap"; ``--fit-cap`` selects it), which
@@ -354,6 +354,8 @@ def calibrate(family: str, drafter, target, docs: dict[str, list[int]], *, n_gri
         raise CalibrationError(str(e)) from None
     top_k = TOP_K
     n_grid = sorted(set(int(n) for n in n_grid))
+    if n_grid[0] < train_keys < n_grid[-1]:  # the mass to keep is measured at the training length itself
+        n_grid = sorted(set(n_grid) | {int(train_keys)})
     if n_grid[0] < 2 * top_k:
         raise CalibrationError(f"every grid N must be at least {2 * top_k} (twice top_k)")
     runner = spec.calibration_runner(drafter, target)

@@ -134,8 +134,10 @@ def test_a_sliding_window_layer_is_scaled_by_its_own_n_and_left_out_of_the_fit(t
     assert drafter.config.windows == [window, None]
     ck = QueryScaleProfile(ref_keys=200, slope=4.0)  # beta(N) = 1 for N <= 200 > window + block
     res = cal.calibrate("dflash", drafter, tiny_target, _docs(tiny_target.config.vocab_size), n_grid=GRID,
-                        train_keys=128, checkpoint_profile=ck, progress=False)
+                        train_keys=100, checkpoint_profile=ck, progress=False)
     assert res["fit_layers"] == [1] and res["layer_windows"] == [window, None]
+    assert [p["num_keys"] for p in res["frozen"]] == sorted(GRID + [100])
+    assert res["mass_reference_num_keys"] == 100  # the training length joins the grid: its mass is the one kept
     for frozen, scaled in zip(res["frozen"], res["scaled"]["checkpoint"]["points"]):
         assert scaled["layers"][0]["mass"] == pytest.approx(frozen["layers"][0]["mass"], abs=1e-6)
         if frozen["num_keys"] >= 512:  # the full layer: beta > 1 raises its mass
