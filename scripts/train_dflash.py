@@ -337,7 +337,8 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
               help="CE weight of slot j is exp(-(j-1)/slot_decay); smaller favours the first slots")
 @click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="start a new run (no checkpoint under --work yet) from these DFlash weights, e.g. the shipped "
-                   "drafters/dflash-smollm2-135m, with a fresh optimizer; ignored when resuming")
+                   "drafters/dflash-smollm2-135m-swa768-1full (the default) or drafters/dflash-smollm2-135m (full "
+                   "attention), with a fresh optimizer; ignored when resuming")
 @click.option("--sliding-window", default=None, type=click.IntRange(min=1),
               help="new runs (also with --init-from): sliding-window layers with this window (Qwen3.6 DFlash "
                    "style); see --full-layers")
@@ -526,7 +527,9 @@ def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw):
 
 @cli.command()
 @click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
-@click.option("--out", default="drafters/dflash-smollm2-135m", type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="drafter folder to write (a shipped one, e.g. drafters/dflash-smollm2-135m-swa768-1full, is "
+                   "overwritten: name it on purpose)")
 @click.option("--best", is_flag=True, help="write ckpt_best.pt (the last call's best validation) instead of the "
                                           "latest checkpoint")
 def save(work: Path, out: Path, best: bool):
