@@ -376,7 +376,7 @@ def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> 
                if drafter.config.sliding else "stores its own LM head (speculators format), which the fused graph "
                "form does not take")
         hint = ("; the shipped full-attention DFlash drafter fuses: --checkpoint drafters/dflash-smollm2-135m"
-                if drafter.config.sliding and cfg.family == "dflash" else "")
+                if drafter.config.sliding else "")  # only DFlash fuses (ExportConfig refuses the rest)
         raise ExportError(f"--fused-attention: this drafter {why}; export without --fused-attention{hint}")
     if cfg.target_precision != "fp32":
         from export.genai_target import GenaiBuildError, builder_taps
