@@ -11,9 +11,10 @@ on real long documents (offline; never the evaluation documents of ``scripts/eva
    N per family (docs/design.md §1): DFlash, one draft block after s context tokens (N = s + block size for every block
    query); PARD and EAGLE-3 (causal), the document's query row at position N - 1 (N = position + 1).
 3. Takes the frozen mass at the drafter's training length (``--train-keys``; default the ``ref_keys`` the checkpoint
-   ships, else 512; added to the grid when it lies inside it) as the mass to keep, solves per N for the beta that restores it (per layer, then averaged
-   over the full-attention layers: a DFlash sliding-window layer's N stops at its window, so it does not dilute
-   with N, and beta reaches it only through its own N, as in the exported graph), and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap`` e^0.5 and ``top_k`` kept: "fitted"); a
+   ships, else 512; added to the grid when it lies inside it) as the mass to keep, solves per N for the beta that
+   restores it (per layer, then averaged over the full-attention layers: a DFlash sliding-window layer's N stops at
+   its window, so it does not dilute with N, and beta reaches it only through its own N, as in the exported graph),
+   and fits ``ref_keys`` and ``slope`` of the rule to those betas (``cap`` e^0.5 and ``top_k`` kept: "fitted"); a
    variant also frees the cap up to the largest required beta ("fitted-free-cap"; ``--fit-cap`` selects it), which
    restores the mass at every N instead of stopping at the cap.
 4. Re-runs the drafter with the family's paper profile, the checkpoint's own profile and the fitted one, and
@@ -126,8 +127,7 @@ class DFlashRunner:
         self.B = drafter.config.block_size
         self.embed = target.get_input_embeddings().weight
         self.layers = [layer.self_attn for layer in drafter.layers]
-        # sliding-window layers (layer_types): beta per layer from that layer's own visible keys, as the exported
-        # graph and the torch backend compute it; only the full layers dilute with N, so only they are fitted
+        # sliding-window layers (layer_types) do not dilute past their window: only the full layers are fitted
         self.windows = list(drafter.config.windows)
         self.fit_layers = [i for i, w in enumerate(self.windows) if w is None] or list(range(len(self.windows)))
 
@@ -157,12 +157,10 @@ class DFlashRunner:
                 rec = _Recorder(self.layers)
                 block = torch.full((1, self.B), self.d.config.mask_token_id, dtype=torch.long)
                 block[0, 0] = doc["ids"][s]
-                if profile is None:
-                    scale = {}
-                elif self.d.config.sliding:  # per layer from its own mask: a windowed layer's N stops at its window
-                    scale = {"profile": profile, "key_mask": torch.ones(1, s + self.B, dtype=torch.bool)}
-                else:
-                    scale = {"query_scale": float(profile.beta(s + self.B))}
+                # beta per layer from that layer's own mask (N = s + B on a full layer; a windowed layer's N stops
+                # at its window), as the exported graph and the torch backend compute it
+                scale = {} if profile is None else {"profile": profile,
+                                                    "key_mask": torch.ones(1, s + self.B, dtype=torch.bool)}
                 with torch.no_grad(), attention_probe.record(rec):
                     emb = self.d.embed_block(block, self.embed)
                     h, _ = self.d(emb, no_new_context, torch.arange(s, s + self.B)[None],

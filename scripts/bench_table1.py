@@ -348,7 +348,8 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
         keep |= {_baseline(c) for c in keep}  # the lossless check and the speedups need each one's target-only
         configs = [c for c in configs if c[0] in keep]
     per_round: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
-    for r, order in enumerate(rotations(configs, rounds)):
+    orders = rotations(configs, rounds)
+    for r, order in enumerate(orders):
         for label, path, scale in order:
             name = f"run_{label}.json" if r == 0 else f"run_{label}.r{r}.json"
             earlier = out / name
@@ -385,7 +386,7 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
     manifest = json.loads((first / "manifest.json").read_text())
     result = {"family": manifest["drafter"]["family"], "contexts": contexts, "new_tokens": new_tokens,
               "end_token": end_token, "rounds": rounds,
-              "orders": [[c for c, _, _ in order] for order in rotations(configs, rounds)],
+              "orders": [[c for c, _, _ in order] for order in orders],
               "configs": [c for c, _, _ in configs], "adapt": adapt if modes else None,
               "drafter_params": _trainable_params(first), "runs": runs}
     result["summary"] = _summary(result)
