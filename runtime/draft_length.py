@@ -8,6 +8,13 @@ compute, so engines pick k by load. Two policies, both lossless (k only changes 
 - :class:`AdaptiveDraftTokens`: per request, the schedule of Hugging Face transformers' assisted generation
   (``num_assistant_tokens_schedule="heuristic"``): after a round whose drafts were all accepted k grows by 2, after
   one with a rejection it shrinks by 1, within [1, the request's maximum].
+- :class:`DraftConfidence`: per round and row, from the drafter's own confidence: verify the leading draft tokens
+  while the product of the drafter's top-1 probabilities stays at or above a threshold (at least one). A draft's
+  top-1 probability is a calibrated estimate of its acceptance (measured on the demo pair, docs/performance), so
+  the product estimates the chance that the whole prefix is accepted, as EAGLE-2 ranks draft-tree nodes (arXiv
+  2406.16858, §4); transformers' ``assistant_confidence_threshold`` applies a per-token form of the same stop.
+  Drafters that draft a block in one pass (DFlash, PARD) pay the same draft cost for any k, so only the verify
+  block shrinks or grows.
 
 A request that sets ``num_draft_tokens`` itself keeps it under either policy.
 """
@@ -15,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+
+import numpy as np
 
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d*)\s*)?:\s*(\d+)\s*$")
 
@@ -87,3 +96,86 @@ class AdaptiveDraftTokens:
         if drafted <= 0:
             return
         self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+
+DEFAULT_CONFIDENCE = None  # runtime.generate / runtime.serve default: off until measured (docs/performance/README.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfidence:
+    """Verify the longest draft prefix whose cumulative drafter confidence stays >= ``threshold`` (at least 1).
+
+    Attributes:
+        threshold: in (0, 1]; 0.4 measured best on the demo pair (docs/performance/README.md, "Draft length by
+            confidence"). Higher verifies fewer tokens per round.
+    """
+
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"draft confidence threshold must be in (0, 1], got {self.threshold}; "
+                             "use 'off' to verify a fixed number of draft tokens")
+
+    @classmethod
+    def parse(cls, spec: "str | float | None") -> "DraftConfidence | None":
+        """``"0.4"`` -> DraftConfidence(0.4); ``"off"``, ``"0"``, ``None`` -> None.
+
+        Raises:
+            ValueError: not a number in (0, 1] or "off".
+        """
+        if spec is None or str(spec).strip().lower() in ("off", "none", "0", "0.0"):
+            return None
+        try:
+            value = float(spec)
+        except ValueError:
+            raise ValueError(f"draft confidence: {spec!r} is not a threshold in (0, 1] or 'off'") from None
+        return cls(value)
+
+    def length(self, top1: np.ndarray) -> int:
+        """Draft tokens to verify given the drafter's top-1 probabilities ``[k_max]`` (float, slot order).
+
+        Returns:
+            the largest j in [1, k_max] with prod(top1[:j]) >= threshold, or 1 when none is (k_max >= 1).
+        """
+        top1 = np.asarray(top1, np.float64)
+        if top1.size == 0:
+            return 0
+        return max(1, int(np.count_nonzero(np.cumprod(top1) >= self.threshold)))
+
+
+def top1_probabilities(logits: np.ndarray, support: np.ndarray | None = None) -> np.ndarray:
+    """Softmax probability of each row's most likely token.
+
+    Args:
+        logits: ``[k, vocab]`` float (``-inf`` allowed outside the drafter's vocabulary).
+        support: optional int64 ``[V]`` ids holding every finite logit (a draft vocabulary,
+            runtime/draft_vocab.py); the softmax then reads only those columns (7 x 8,192 instead of 7 x 49,152).
+    Returns:
+        float64 ``[k]`` in (0, 1].
+    """
+    x = np.asarray(logits)
+    if support is not None:
+        x = np.take(x, support, axis=-1)
+    x = x.astype(np.float64, copy=False)
+    m = x.max(axis=-1, keepdims=True)
+    return 1.0 / np.exp(x - m).sum(axis=-1)
+
+
+def click_option(default: str | None = None):
+    """The ``--draft-confidence T|off`` option of runtime.generate, runtime.serve and the scripts; the command
+    receives a :class:`DraftConfidence` or None. A bad value is click's usage error naming the option."""
+    import click
+
+    def to_policy(ctx, param, value):
+        try:
+            return DraftConfidence.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return click.option(
+        "--draft-confidence", default=default, show_default=default is not None, metavar="T|off",
+        callback=to_policy,
+        help="verify the leading draft tokens while the product of the drafter's top-1 probabilities stays >= T "
+             "(at least 1; up to the request's or the drafter's maximum); 'off': a fixed number per round "
+             "(runtime/draft_length.py)")

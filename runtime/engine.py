@@ -35,7 +35,7 @@ import numpy as np
 from runtime.backends import DrafterBackend, TargetBackend, check_backend
 from runtime.metrics import SpecStats
 from runtime.modes import Backend, DrafterContext, Verification
-from runtime.draft_length import AdaptiveDraftTokens, DraftTokensByBatch
+from runtime.draft_length import AdaptiveDraftTokens, DraftConfidence, DraftTokensByBatch, top1_probabilities
 from runtime.prompt_lookup import NgramIndex, PromptLookup
 from runtime.sampling import RowSampler, SamplingParams, TokenLogprob, token_logprob
 from runtime.stops import StopChecker
@@ -112,13 +112,17 @@ class SpecEngine:
         prompt_lookup: n-gram drafts beside the drafter (runtime/prompt_lookup.py): a row whose last tokens occurred
             before verifies the copy of what followed (up to ``num_tokens``, capped by ``draft_tokens_by_batch``)
             and skips the drafter that round; None = the drafter alone.
+        draft_confidence: per round and row, verify the leading draft tokens while the product of the drafter's
+            top-1 probabilities stays >= its threshold (runtime/draft_length.py); the ceiling is the request's
+            num_draft_tokens, else ``draft_tokens_by_batch``, else the drafter's K (not ``default_draft_tokens``).
+            None = a fixed k per round.
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
                  check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None,
                  proposable_vocab: int | None = None, default_draft_tokens: int | None = None,
                  draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False,
-                 prompt_lookup: PromptLookup | None = None):
+                 prompt_lookup: PromptLookup | None = None, draft_confidence: DraftConfidence | None = None):
         check_backend(target, TargetBackend)
         if drafter is not None:
             check_backend(drafter, DrafterBackend)
@@ -137,6 +141,7 @@ class SpecEngine:
         self.draft_tokens_by_batch = draft_tokens_by_batch
         self.adaptive_draft_tokens = adaptive_draft_tokens
         self.prompt_lookup = prompt_lookup if drafter is not None else None
+        self.draft_confidence = draft_confidence
         self.adapter = None  # online draft adaptation (runtime/online_adapt.py attach); torch backend only
         self._rounds = 0
         self.manifest = manifest
@@ -362,6 +367,8 @@ class SpecEngine:
             k = s.num_draft_tokens
             if k > 0 and by_load is not None and s.params.num_draft_tokens is None:  # the request's own k wins
                 k = by_load
+            elif k > 0 and self.draft_confidence is not None and s.params.num_draft_tokens is None:
+                k = self.drafter.num_draft_tokens  # the ceiling; the drafter's confidence cuts it below
             if k > 0 and s.adaptive is not None:
                 k = min(k, s.adaptive.k)
             k = min(k, remaining - 1)
@@ -400,8 +407,12 @@ class SpecEngine:
             if not all(s.params.query_scale for s in rows):
                 kw["query_scale"] = [s.params.query_scale for s in rows]
             logits = self.drafter.draft(*args, **kw)
+            support = getattr(self.drafter, "draft_ids", None) if getattr(self.drafter, "draft_vocab_enabled",
+                                                                          False) else None
             for i, s, lg in zip(drafting, rows, logits):
                 s.pending_ctx = s.pending_ctx[:0]
+                if self.draft_confidence is not None:
+                    ks[i] = self.draft_confidence.length(top1_probabilities(lg[: ks[i]], support))
                 drafts[i], qs[i] = s.sampler.draft(self._draft_logits(lg, ks[i]), self.verification)
         t1 = time.perf_counter()
         logits, feats = self.target.forward([s.target_cache for s in seqs],

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from runtime.draft_length import DEFAULT_CONFIDENCE
+from runtime.draft_length import click_option as draft_confidence_option
 from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 
@@ -46,8 +48,9 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
     "also draft by prompt lookup: a row whose last MIN..MAX tokens occurred before verifies what followed them "
     "instead of the drafter's guess (runtime/prompt_lookup.py); 'off' for the drafter alone",
     default=PROMPT_LOOKUP_DEFAULT)
+@draft_confidence_option(DEFAULT_CONFIDENCE)
 def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, json_out,
-         online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup):
+         online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup, draft_confidence):
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
     from runtime.sampling import SamplingParams
@@ -55,6 +58,7 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     try:
         engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
         engine.prompt_lookup = prompt_lookup
+        engine.draft_confidence = draft_confidence
         adapter = None
         if online_adapt is not None:
             from runtime.online_adapt import AdaptConfig, attach
@@ -88,9 +92,12 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     qs = engine.manifest["query_scale"]
     m = engine.manifest
     drafter_precision = m["graphs"]["drafter"].get("precision") or "fp32"
+    verified = (f"up to {m['drafter']['num_draft_tokens']} draft tokens verified per round, cut where the "
+                f"drafter's cumulative confidence falls below {draft_confidence.threshold}"
+                if draft_confidence is not None and engine.drafter is not None else
+                f"{engine.default_draft_tokens} of {m['drafter']['num_draft_tokens']} draft tokens verified per round")
     click.echo(f"backend: {backend}; drafter: {m['drafter']['family']} ({drafter_precision} graph), "
-               f"{engine.default_draft_tokens} of {m['drafter']['num_draft_tokens']} draft tokens verified per "
-               f"round, query scale {'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, from the "
+               f"{verified}, query scale {'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, from the "
                f"{qs['source']})")
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "
                f"draft position: {[round(a, 2) for a in s.acceptance_per_position]}")

@@ -37,6 +37,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncEngine, QueueFull, RequestStream
+from runtime.draft_length import DEFAULT_CONFIDENCE, DraftConfidence
+from runtime.draft_length import click_option as draft_confidence_option
 from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
 from runtime.prompt_lookup import PromptLookup
 from runtime.prompt_lookup import click_option as prompt_lookup_option
@@ -484,9 +486,10 @@ def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bo
     "also draft by prompt lookup: a row whose last MIN..MAX tokens occurred before verifies what followed them "
     "instead of the drafter's guess (runtime/prompt_lookup.py); 'off' for the drafter alone",
     default=PROMPT_LOOKUP_DEFAULT)
+@draft_confidence_option(DEFAULT_CONFIDENCE)
 def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_running: int, max_waiting: int,
          model_name: str | None, draft_tokens_by_batch: str | None, adaptive_draft_tokens: bool,
-         prompt_lookup: PromptLookup | None) -> None:
+         prompt_lookup: PromptLookup | None, draft_confidence: DraftConfidence | None) -> None:
     import uvicorn
 
     from runtime.engine import SpecEngine
@@ -504,6 +507,7 @@ def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_
         raise click.ClickException(str(e)) from e
     engine.draft_tokens_by_batch, engine.adaptive_draft_tokens = table, adaptive_draft_tokens
     engine.prompt_lookup = prompt_lookup
+    engine.draft_confidence = draft_confidence
     _ = engine.tokenizer  # load before serving
     app = create_app(AsyncEngine(engine, max_running, max_waiting), model_name or engine_dir.resolve().name)
     uvicorn.run(app, host=host, port=port, log_level="info")

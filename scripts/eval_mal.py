@@ -25,6 +25,8 @@ from pathlib import Path
 import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime.draft_length import DraftConfidence  # noqa: E402
+from runtime.draft_length import click_option as draft_confidence_option  # noqa: E402
 from runtime.engine import SpecEngine  # noqa: E402
 from runtime.prompt_lookup import PromptLookup  # noqa: E402
 from runtime.prompt_lookup import click_option as prompt_lookup_option  # noqa: E402
@@ -52,12 +54,14 @@ END_TOKEN = 3500
                    "maximum measures its quality over the whole block")
 @prompt_lookup_option(
     "also draft by prompt lookup (runtime/prompt_lookup.py), e.g. 3:5:7; off by default")
+@draft_confidence_option()
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature: float, top_p: float,
          verification: str | None, seed: int, end_token: int, compare_query_scale: bool, draft_tokens: int | None,
-         prompt_lookup: PromptLookup | None, json_out: Path | None):
+         prompt_lookup: PromptLookup | None, draft_confidence: DraftConfidence | None, json_out: Path | None):
     engine = SpecEngine.from_dir(engine_dir)
     engine.prompt_lookup = prompt_lookup
+    engine.draft_confidence = draft_confidence
     if verification:
         engine.verification = verification
     tok = engine.tokenizer
@@ -101,6 +105,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
                "draft_tokens": draft_tokens if draft_tokens is not None else engine.default_draft_tokens,
                "query_scale": engine.manifest["query_scale"],
                "prompt_lookup": dataclasses.asdict(engine.prompt_lookup) if engine.prompt_lookup else None,
+               "draft_confidence": draft_confidence.threshold if draft_confidence else None,
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
                "mal_by_kind": mean_by_kind(rows, "mal"),
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),

@@ -3,10 +3,10 @@ on the scripted backends: every policy stays lossless and does what it says."""
 import numpy as np
 import pytest
 
-from runtime.draft_length import AdaptiveDraftTokens, DraftTokensByBatch
+from runtime.draft_length import AdaptiveDraftTokens, DraftConfidence, DraftTokensByBatch, top1_probabilities
 from runtime.engine import SpecEngine
 from runtime.sampling import SamplingParams, processed_logprobs
-from tests.runtime.scripted import ScriptedTarget, oracle, saboteur
+from tests.runtime.scripted import ScriptedDrafter, ScriptedTarget, one_hot_rows, oracle, saboteur
 from tests.runtime.test_loop import EOS, chain_table
 
 
@@ -71,6 +71,60 @@ def test_adaptive_draft_length_drops_on_rejections_and_stays_lossless():
     good = _engine(target, oracle(target, 6), adaptive_draft_tokens=True)
     out = good.generate([1, 2], 30)
     assert out.stats.drafted_per_position[5] == out.stats.rounds  # all accepted: k stays at 6
+
+
+def test_confidence_cut_is_the_cumulative_product_rule():
+    c = DraftConfidence(0.4)
+    assert c.length([0.9, 0.8, 0.5, 0.99]) == 2  # 0.9, 0.72, 0.36: the third slot drops below 0.4
+    assert c.length([0.3, 0.99]) == 1  # at least one draft token
+    assert c.length([1.0] * 7) == 7 and c.length([]) == 0
+    assert DraftConfidence.parse("off") is None and DraftConfidence.parse(None) is None
+    assert DraftConfidence.parse("0.25") == DraftConfidence(0.25)
+    for bad in ("x", "1.5", "-0.2"):
+        with pytest.raises(ValueError, match="draft confidence"):
+            DraftConfidence.parse(bad)
+
+
+def test_top1_probability_over_a_draft_vocabulary_equals_the_full_softmax():
+    rng = np.random.default_rng(0)
+    support = np.sort(rng.choice(100, 20, replace=False))
+    full = np.full((3, 100), -np.inf, np.float32)
+    full[:, support] = rng.normal(size=(3, 20)) * 3
+    e = np.exp(full - full.max(-1, keepdims=True))
+    want = (e / e.sum(-1, keepdims=True)).max(-1)
+    np.testing.assert_allclose(top1_probabilities(full), want, rtol=1e-6)
+    np.testing.assert_allclose(top1_probabilities(full, support), want, rtol=1e-6)
+
+
+def _confident_for(target, num_draft_tokens: int, sure: int) -> ScriptedDrafter:
+    """Drafts the target's greedy continuation, confident (p ~ 1) on the first ``sure`` slots, unsure (p < 0.2)
+    after them: a confidence policy should verify exactly ``sure`` tokens a round."""
+    vocab = target.vocab_size
+
+    def propose(_ctx, bonus):
+        want = target.greedy(bonus, num_draft_tokens)
+        logits = one_hot_rows(want, vocab)
+        logits[sure:] *= 0.1  # scale 1: p(top-1) = e / (e + vocab - 1) < 0.2 for vocab 16
+        return logits
+
+    return ScriptedDrafter(propose, num_draft_tokens, vocab)
+
+
+def test_confidence_draft_length_verifies_the_confident_prefix_and_stays_lossless():
+    target = ScriptedTarget(chain_table(16, {}))
+    ref = SpecEngine(target, None, eos_token_ids=[EOS]).generate_target_only([1, 2], 40).token_ids
+    for sure in (1, 3, 6):
+        # default_draft_tokens 2 is the fixed k; under the policy the ceiling is the drafter's 6
+        eng = _engine(target, _confident_for(target, 6, sure), default_draft_tokens=2,
+                      draft_confidence=DraftConfidence(0.4))
+        out = eng.generate([1, 2], 40)
+        assert out.token_ids == ref
+        assert _max_k(out) == sure and out.stats.mean_accepted_length > sure  # all drafts accepted + bonus
+    eng = _engine(target, _confident_for(target, 6, 6), draft_confidence=DraftConfidence(0.4))
+    own = eng.generate([1, 2], params=SamplingParams(max_new_tokens=40, num_draft_tokens=3))
+    assert own.token_ids == ref and _max_k(own) == 3  # a request's own k is the ceiling
+    fixed = _engine(target, _confident_for(target, 6, 1), default_draft_tokens=4).generate([1, 2], 40)
+    assert fixed.token_ids == ref and _max_k(fixed) == 4  # without the policy: the fixed k
 
 
 def test_n_choices_share_one_prefill():

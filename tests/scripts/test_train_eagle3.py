@@ -111,3 +111,38 @@ def test_loss_ignores_out_of_vocab_and_accept_len():
     c = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
     v = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
     assert chain_accept(c, v).tolist() == [3, 2, 1]  # last anchor dropped: its step 2 has no label
+
+
+def test_init_from_an_earlier_checkpoint_keeps_its_weights_under_a_new_draft_vocabulary(tmp_path):
+    """--init-from: fc / midlayer / norm carried over, LM-head rows of tokens in both vocabularies carried over,
+    rows new to the vocabulary at zero; the result saves and loads strictly."""
+    from types import SimpleNamespace
+
+    from runtime.models.eagle3 import load_eagle3, save_eagle3
+    from scripts.train_eagle3 import init_drafter, make_config
+
+    tc = SimpleNamespace(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                         rms_norm_eps=1e-5, max_position_embeddings=256, vocab_size=40)
+    target = SimpleNamespace(config=tc, model=SimpleNamespace(embed_tokens=torch.nn.Embedding(40, 32)))
+    torch.manual_seed(0)
+    old_ids = torch.arange(0, 32, 2)  # 16 even ids
+    old = Eagle3Drafter(make_config(tc, 16))
+    d2t, t2d, _ = vocab_buffers(old_ids, 40)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(torch.randn_like(p))
+        old.d2t.copy_(d2t)
+        old.t2d.copy_(t2d)
+    save_eagle3(old, tmp_path / "old", old.config.to_dict(), metadata={"format": "pt"})
+    old = load_eagle3(tmp_path / "old")  # bf16 round trip: compare against what was stored
+    new_ids = torch.arange(8, 24)  # 8..23: the even ones were in the old vocabulary
+    d = init_drafter(tmp_path / "old", target, new_ids)
+    assert torch.equal(d.draft_to_target, new_ids)
+    for k, v in old.state_dict().items():
+        if k not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(d.state_dict()[k], v), k
+    for row, tid in enumerate(new_ids.tolist()):
+        want = old.lm_head.weight[tid // 2] if tid % 2 == 0 else torch.zeros(32)
+        assert torch.equal(d.lm_head.weight[row], want), tid
+    save_eagle3(d, tmp_path / "new", d.config.to_dict(), metadata={"format": "pt"})
+    assert torch.equal(load_eagle3(tmp_path / "new").draft_to_target, new_ids)
