@@ -184,29 +184,50 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- data
-def load_sequences(work: Path, src: Path, val_every: int = 40) -> tuple[list[dict], list[dict]]:
-    """Token ids + target argmax labels of every DFlash shard record, split by CRC32 of the ids (as train_dflash).
+def load_sequences(work: Path, src: Path, val_every: int = 40, corpus: Path | None = None,
+                   max_len: int = SEQ_LEN) -> tuple[list[dict], list[dict]]:
+    """Token ids + labels of every sequence, split by CRC32 of the ids (as train_dflash), each cut to its last
+    ``max_len`` tokens (where a self-distilled sequence keeps the target's own continuation).
 
-    Cached in ``work/sequences.pt`` (ids and labels only) so the 2.4 GB of tapped features is read once.
+    Sources: the DFlash feature shards under ``src/data`` (ids and the target's argmax labels; the tapped features
+    are not kept), or with ``corpus`` a token corpus (``corpora/smollm2-135m-int4``: ids only, written by
+    scripts/distill.py), whose labels are the next tokens of the target's own greedy continuation (its argmax;
+    the prompt's positions carry -100 and are not trained on). Cached in ``work/sequences.pt`` (ids and labels only).
     """
     cache = work / "sequences.pt"
-    shards = sorted((src / "data").glob("shard_*.pt"))
+    shards = sorted(corpus.glob("shard_*.safetensors")) if corpus is not None else sorted((src / "data").glob(
+        "shard_*.pt"))
+    key = {"shards": [f.name for f in shards], "max_len": max_len}
     if cache.exists():
         c = torch.load(cache)
-        if c["shards"] == [f.name for f in shards]:
+        if c["shards"] == key["shards"] and c.get("max_len", SEQ_LEN) == max_len:
             return c["train"], c["val"]
     train_recs, val_recs = [], []
+
+    def add(ids: torch.Tensor, labels: torch.Tensor, kind: str) -> None:
+        if ids.numel() <= 10:  # as train_dflash (BLOCK + 2)
+            return
+        rec = {"ids": ids[-max_len:].clone(), "labels": labels[-max_len:].clone(), "kind": kind}
+        is_val = zlib.crc32(ids.numpy().tobytes()) % val_every == 0
+        (val_recs if is_val else train_recs).append(rec)
+
     for f in shards:
+        if corpus is not None:
+            from scripts.distill import read_token_shard
+
+            seqs, prompt_lens, _ = read_token_shard(f)
+            for seq, plen in zip(seqs, prompt_lens):
+                t = torch.tensor(seq, dtype=torch.int32)
+                labels = t[1:].clone()
+                labels[: max(int(plen) - 1, 0)] = -100  # prompt text: not the target's choice, not trained on
+                add(t[:-1], labels, "corpus")
+            continue
         s = torch.load(f)
         for r in s["records"]:
-            if r["ids"].numel() <= 10:  # as train_dflash (BLOCK + 2)
-                continue
-            rec = {"ids": r["ids"].clone(), "labels": r["labels"].clone(), "kind": s["kind"]}
-            is_val = zlib.crc32(r["ids"].numpy().tobytes()) % val_every == 0
-            (val_recs if is_val else train_recs).append(rec)
+            add(r["ids"], r["labels"], s["kind"])
         del s
     work.mkdir(parents=True, exist_ok=True)
-    torch.save({"shards": [f.name for f in shards], "train": train_recs, "val": val_recs}, cache)
+    torch.save({**key, "train": train_recs, "val": val_recs}, cache)
     return train_recs, val_recs
 
 
@@ -234,7 +255,9 @@ def validate_recs(d: PardDrafter, recs: list[dict], table, lm_head, labels_mode:
     for rec in recs:
         ids, labels = rec["ids"].long(), rec_labels(rec, labels_mode)
         n = ids.numel()
-        cand = list(range(0, n - K + 1))
+        ok = (labels >= 0).long()  # anchors whose K labels all exist (ignored prompt positions excluded)
+        run = torch.nn.functional.conv1d(ok[None, None].float(), torch.ones(1, 1, K)).long()[0, 0] if n >= K else ok[:0]
+        cand = [a for a in range(0, n - K + 1) if run[a] == K]
         if not cand:
             continue
         a = torch.tensor(sorted(rng.sample(cand, min(anchors_per_seq, len(cand)))))
@@ -291,15 +314,23 @@ def _write_log(work: Path, state: dict, extra: dict | None = None) -> None:
 @click.option("--save-minutes", default=4.0)
 @click.option("--val-seqs", default=24, help="validation sequences checked at each checkpoint")
 @click.option("--threads", default=2)
+@click.option("--corpus", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="train on a token corpus (scripts/distill.py shards, e.g. corpora/smollm2-135m-int4) instead of "
+                   "--src's feature shards; labels are the target's continuations (prompt positions ignored)")
+@click.option("--max-len", default=SEQ_LEN, show_default=True, type=click.IntRange(min=16),
+              help="each sequence is cut to its last this many tokens; the saved profile's ref_keys")
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="start from a saved PARD drafter folder (fresh optimizer) instead of target layers")
 def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: str, lr: float, warmup: int,
-          seqs_per_step: int, trial_steps: int, save_minutes: float, val_seqs: int, threads: int):
+          seqs_per_step: int, trial_steps: int, save_minutes: float, val_seqs: int, threads: int,
+          corpus: Path | None, max_len: int, init_from: Path | None):
     """Train (or resume) the drafter for --minutes of wall time; checkpoints under --work."""
     t_call = time.time()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     work.mkdir(parents=True, exist_ok=True)
     target, table, lm_head = _target_tables()
-    train_recs, val_recs = load_sequences(work, src)
+    train_recs, val_recs = load_sequences(work, src, corpus=corpus, max_len=max_len)
     ntok = sum(r["ids"].numel() for r in train_recs)
     print(f"{len(train_recs)} train sequences, {ntok} tokens; {len(val_recs)} validation sequences "
           f"({time.time() - t_call:.0f}s)", flush=True)
@@ -352,9 +383,14 @@ def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: st
         print(f"resumed at step {state['step']} ({state['seconds']:.0f}s trained)", flush=True)
     else:
         base = {"step": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "log": [], "train_log": [],
-                "labels": labels_mode, "lr": lr, "seqs_per_step": seqs_per_step, "init_eval": {}}
+                "labels": labels_mode, "lr": lr, "seqs_per_step": seqs_per_step, "init_eval": {},
+                "data": str(corpus or src), "max_len": max(r["ids"].numel() for r in train_recs)}
         modes = ["first", "last"] if init_mode == "auto" else [init_mode]
         best = None
+        if init_from is not None:
+            modes = []
+            d = load_pard_folder(init_from)
+            best = (None, f"checkpoint {init_from}", d, new_opt(d), base)
         for m in modes:
             cand = PardDrafter(cfg)
             init_from_target(cand, target, choices[m])
@@ -378,7 +414,7 @@ def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: st
                 best = (None, m, cand, o, st)
         _, init_name, d, opt, state = best
         state["init_eval"] = base["init_eval"]
-        state["init"], state["init_layers"] = init_name, choices[init_name]
+        state["init"], state["init_layers"] = init_name, choices.get(init_name)
         print(f"init from target layers {state['init_layers']} ({state['init']})", flush=True)
     del target
     rng = random.Random(1000 + state["step"])
@@ -418,12 +454,13 @@ def _safetensors_dict(d: PardDrafter) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in d.state_dict().items()}
 
 
-def drafter_config_json(cfg) -> dict:
+def drafter_config_json(cfg, ref_keys: int = SEQ_LEN) -> dict:
+    """The saved config.json; ``ref_keys`` = the training length (the longest sequence trained on)."""
     c = cfg.to_dict()
     c.pop("_attn_implementation", None)
     c.update(architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size, tie_word_embeddings=True,
              pard_token=cfg.vocab_size, spd_type="pard", sharpdraft_embeddings="target",
-             sharpdraft_query_scale=dict(QUERY_SCALE))
+             sharpdraft_query_scale={**QUERY_SCALE, "ref_keys": int(ref_keys)})
     return c
 
 
@@ -455,7 +492,8 @@ def save(work: Path, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     tensors = _safetensors_dict(d)
     save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt", "recipe": "scripts/train_pard.py"})
-    (out / "config.json").write_text(json.dumps(drafter_config_json(cfg), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(drafter_config_json(cfg, ck["state"].get("max_len", SEQ_LEN)),
+                                                indent=2) + "\n")
     kinds: dict[str, int] = {}
     if (work / "sequences.pt").exists():
         c = torch.load(work / "sequences.pt")

@@ -104,3 +104,27 @@ def test_slot_table_and_accept_len():
             i = rows.index((a + j, a, j))
             assert bool(correct[r, j]) == bool(out["correct"][i])
     assert accept_len(torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)).tolist() == [3, 1, 5]
+
+
+def test_token_corpus_sequences_train_on_the_continuation_only(tmp_path):
+    """--corpus: ids = the sequence but its last token, label at p = token p + 1 on the target's continuation
+    (positions before the prompt's last token are -100), cut to the last --max-len tokens; the cache is keyed by
+    the shards and max_len."""
+    from scripts.distill import write_token_shard
+    from scripts.train_pard import load_sequences
+
+    seqs = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(50)]  # 50 sequences of 40 ids
+    write_token_shard(tmp_path / "shard_00000.safetensors", seqs, [25] * 50, ["test"] * 50, list(range(50)))
+    train, val = load_sequences(tmp_path / "work", tmp_path, val_every=3, corpus=tmp_path, max_len=30)
+    assert len(train) + len(val) == 50 and val
+    for r in train + val:
+        ids, labels = r["ids"].tolist(), r["labels"].tolist()
+        first = ids[0] - 9  # the sequence's first id (the first 9 were cut: 39 ids kept as 30)
+        assert len(ids) == 30 and ids == list(range(first + 9, first + 39))
+        for p, (t, lab) in enumerate(zip(ids, labels)):
+            absolute = t - first  # position in the uncut sequence
+            assert lab == (t + 1 if absolute >= 24 else -100)  # the prompt's last token predicts token 25
+    again, _ = load_sequences(tmp_path / "work", tmp_path, val_every=3, corpus=tmp_path, max_len=30)
+    assert [r["ids"].tolist() for r in again] == [r["ids"].tolist() for r in train]
+    longer, _ = load_sequences(tmp_path / "work", tmp_path, val_every=3, corpus=tmp_path, max_len=64)
+    assert max(r["ids"].numel() for r in longer) == 39  # max_len changed: rebuilt, not the cached cut
