@@ -98,7 +98,9 @@ class AdaptiveDraftTokens:
         self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
-DEFAULT_CONFIDENCE = None  # runtime.generate / runtime.serve default: off until measured (docs/performance/README.md)
+# runtime.generate / runtime.serve default: off; measured on the 2-core CPU it raised MAL but not speed
+# (docs/performance/README.md, "Draft length by confidence")
+DEFAULT_CONFIDENCE = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +108,8 @@ class DraftConfidence:
     """Verify the longest draft prefix whose cumulative drafter confidence stays >= ``threshold`` (at least 1).
 
     Attributes:
-        threshold: in (0, 1]; 0.4 measured best on the demo pair (docs/performance/README.md, "Draft length by
-            confidence"). Higher verifies fewer tokens per round.
+        threshold: in (0, 1]; higher verifies fewer tokens per round (docs/performance/README.md, "Draft length
+            by confidence": 0.3 was the best measured on the 2-core CPU, within noise of a fixed 2).
     """
 
     threshold: float
