@@ -407,8 +407,8 @@ class SpecEngine:
             if not all(s.params.query_scale for s in rows):
                 kw["query_scale"] = [s.params.query_scale for s in rows]
             logits = self.drafter.draft(*args, **kw)
-            support = getattr(self.drafter, "draft_ids", None) if getattr(self.drafter, "draft_vocab_enabled",
-                                                                          False) else None
+            if self.draft_confidence is not None:  # softmax over the draft vocabulary's columns only
+                support = self.drafter.draft_ids if getattr(self.drafter, "draft_vocab_enabled", False) else None
             for i, s, lg in zip(drafting, rows, logits):
                 s.pending_ctx = s.pending_ctx[:0]
                 if self.draft_confidence is not None:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.draft_length import DraftConfidence  # noqa: E402
 from runtime.prompt_lookup import DEFAULT_SPEC, PromptLookup  # noqa: E402
 from runtime.prompt_lookup import click_option as prompt_lookup_option  # noqa: E402
+from scripts import eval_mal  # noqa: E402
 
 
 def parse_config(name: str) -> dict:
@@ -52,25 +53,15 @@ def parse_config(name: str) -> dict:
 
 
 def prompt_kind(name: str) -> str:
-    if name == "demo":
-        return "demo"
-    if name.startswith("chat"):
-        return "chat"
-    return "code" if name.endswith(".py") else "prose"
+    """"demo" for the demo's request, else scripts/eval_mal.py's kind (prose, code or chat)."""
+    return "demo" if name == "demo" else eval_mal.prompt_kind(name)
 
 
 def build_prompts(tok, context: int, chat: int) -> dict[str, list[int]]:
     """The eval_mal.py prompts (held-out documents at ``context`` tokens, ``chat`` chat prompts) and the demo's."""
     from runtime.generate import DEFAULT_PROMPT
-    from scripts.corpus import chat_prompts, plays, stdlib_modules
-    from scripts.eval_mal import END_TOKEN
 
-    prompts = {}
-    for name, text in {**plays("heldout"), **stdlib_modules("heldout")}.items():
-        if not name.endswith("_gut_f"):
-            prompts[name] = tok.encode(text)[:END_TOKEN][-context:]
-    for i, ids in enumerate(chat_prompts("heldout", tok, n=chat, seed=0)):
-        prompts[f"chat{i}"] = ids
+    prompts = eval_mal.heldout_prompts(tok, context, chat)
     prompts["demo"] = tok.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}],
                                               add_generation_prompt=True, tokenize=True, return_dict=False)
     return prompts

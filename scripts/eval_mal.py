@@ -64,16 +64,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     engine.draft_confidence = draft_confidence
     if verification:
         engine.verification = verification
-    tok = engine.tokenizer
-    docs = {**plays("heldout"), **stdlib_modules("heldout")}
-    prompts = {}
-    for name, text in docs.items():
-        if name.endswith("_gut_f"):
-            continue  # one edition per play
-        ids = tok.encode(text)[:end_token]
-        prompts[name] = ids[-context:]
-    for i, ids in enumerate(chat_prompts("heldout", tok, n=chat, seed=0)):
-        prompts[f"chat{i}"] = ids
+    prompts = heldout_prompts(engine.tokenizer, context, chat, end_token)
     engine.generate(prompts[next(iter(prompts))][:8], 4)  # warm-up
     rows = []
     for i, (name, ids) in enumerate(prompts.items()):
@@ -125,6 +116,18 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(summary, indent=1))
+
+
+def heldout_prompts(tok, context: int, chat: int, end_token: int = END_TOKEN) -> dict[str, list[int]]:
+    """{name: prompt ids}: per held-out document (one edition per play) the ``context`` tokens ending at token
+    ``end_token``, then ``chat`` held-out chat prompts named chat0, chat1, ..."""
+    prompts = {}
+    for name, text in {**plays("heldout"), **stdlib_modules("heldout")}.items():
+        if not name.endswith("_gut_f"):
+            prompts[name] = tok.encode(text)[:end_token][-context:]
+    for i, ids in enumerate(chat_prompts("heldout", tok, n=chat, seed=0)):
+        prompts[f"chat{i}"] = ids
+    return prompts
 
 
 def prompt_kind(name: str) -> str:

@@ -211,10 +211,10 @@ def load_sequences(work: Path, src: Path, val_every: int = 40, corpus: Path | No
         is_val = zlib.crc32(ids.numpy().tobytes()) % val_every == 0
         (val_recs if is_val else train_recs).append(rec)
 
+    if corpus is not None:
+        from scripts.distill import read_token_shard
     for f in shards:
         if corpus is not None:
-            from scripts.distill import read_token_shard
-
             seqs, prompt_lens, _ = read_token_shard(f)
             for seq, plen in zip(seqs, prompt_lens):
                 t = torch.tensor(seq, dtype=torch.int32)
@@ -255,9 +255,8 @@ def validate_recs(d: PardDrafter, recs: list[dict], table, lm_head, labels_mode:
     for rec in recs:
         ids, labels = rec["ids"].long(), rec_labels(rec, labels_mode)
         n = ids.numel()
-        ok = (labels >= 0).long()  # anchors whose K labels all exist (ignored prompt positions excluded)
-        run = torch.nn.functional.conv1d(ok[None, None].float(), torch.ones(1, 1, K)).long()[0, 0] if n >= K else ok[:0]
-        cand = [a for a in range(0, n - K + 1) if run[a] == K]
+        # anchors whose K labels all exist (ignored prompt positions excluded)
+        cand = (labels >= 0).unfold(0, K, 1).all(1).nonzero().flatten().tolist() if n >= K else []
         if not cand:
             continue
         a = torch.tensor(sorted(rng.sample(cand, min(anchors_per_seq, len(cand)))))
@@ -415,7 +414,8 @@ def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: st
         _, init_name, d, opt, state = best
         state["init_eval"] = base["init_eval"]
         state["init"], state["init_layers"] = init_name, choices.get(init_name)
-        print(f"init from target layers {state['init_layers']} ({state['init']})", flush=True)
+        print(f"init: {state['init']}" + (f" (target layers {state['init_layers']})" if state["init_layers"] else ""),
+              flush=True)
     del target
     rng = random.Random(1000 + state["step"])
     total = state["seconds"] + budget
