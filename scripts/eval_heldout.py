@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.eval_mal import main as eval_mal, prompt_kind  # noqa: E402
+from scripts.eval_mal import main as eval_mal, mean_by_kind, prompt_kind  # noqa: E402
 
 CALLS = {  # name: eval_mal arguments (besides --engine, --draft-tokens and --json-out)
     "ctx1024": ["--context", "1024", "--chat", "4"],
@@ -51,18 +51,15 @@ def heldout_summary(calls: dict[str, dict]) -> dict:
             if prompt_kind(r["prompt"]) != "chat"]
     chats = [r for r in calls["ctx1024_end12000"]["rows"] if prompt_kind(r["prompt"]) == "chat"]
     out = {
-        "default10": {k: _mean([r for r in d10 if prompt_kind(r["prompt"]) == k]) for k in ("prose", "code", "chat")}
-        | {"all": _mean(d10)},
-        "documents18": {"all": _mean(docs), "prose": _mean([r for r in docs if prompt_kind(r["prompt"]) == "prose"]),
-                        "code": _mean([r for r in docs if prompt_kind(r["prompt"]) == "code"]), "n": len(docs)},
+        "default10": mean_by_kind(d10, "mal") | {"all": _mean(d10)},
+        "documents18": {"all": _mean(docs)} | mean_by_kind(docs, "mal") | {"n": len(docs)},
         "chats8": {"all": _mean(chats), "n": len(chats)},
     }
     if "ctx4096" in calls:
         rows = calls["ctx4096"]["rows"]
         d4 = [r for r in rows if prompt_kind(r["prompt"]) != "chat"]
         out["ctx4096"] = {"documents": _mean(d4), "documents_frozen": _mean(d4, "mal_frozen"),
-                          "all": _mean(rows), "all_frozen": _mean(rows, "mal_frozen")} | \
-            {k: _mean([r for r in rows if prompt_kind(r["prompt"]) == k]) for k in ("prose", "code", "chat")}
+                          "all": _mean(rows), "all_frozen": _mean(rows, "mal_frozen")} | mean_by_kind(rows, "mal")
     return out
 
 
