@@ -6,12 +6,17 @@ This is the oracle the Triton kernel (plugins/triton_attention.py) is tested aga
 
 - GQA: query head h reads kv head h // (heads / kv_heads).
 - Per-sequence key lengths ``kv_lens[b]`` (keys at index >= kv_lens[b] are padding).
-- ``causal=True`` (verify blocks, causal drafters): query i of a q_len block sees the first
-  kv_lens[b] - q_len + i + 1 keys. ``causal=False`` (DFlash blocks): every query sees all kv_lens[b] keys.
-- ``window`` (sliding-window layers): a query sees only the last ``window`` key positions of its causal range.
-- ``key_mask`` ``[batch, kv_len_max]`` (optional; 0 = hidden): keys hidden per sequence on top of the above, e.g.
+- ``key_mask`` ``[batch, kv_len_max]`` (optional; 0 = hidden): keys hidden per sequence on top of the lengths, e.g.
   the padding holes of a ragged batch whose rows were right-padded piecewise (DFlash: past | context | block).
-- N_bi = number of keys query (b, i) sees (after lengths, causal, window and key_mask), the visible-key count of
+- Positions: a row's present keys (index < kv_lens[b], key_mask nonzero) hold positions 0..P-1 in index order (a
+  key's position is its rank among them; without holes, its index), and the q_len queries are the last q_len of
+  them: query i is at position ``p_i = P - q_len + i``. So a row with holes equals the same row with them cut out.
+- ``causal=True`` (verify blocks, causal drafters): query i sees the keys at positions <= p_i. ``causal=False``
+  (DFlash blocks): every query sees all P keys.
+- ``window`` W (sliding-window layers), anchored at each query's own position: query i sees only keys at positions
+  > p_i - W (flash-attention's bottom-right aligned ``window_size=(W - 1, 0)`` when causal, ``(W - 1, -1)`` for a
+  non-causal block, whose later block keys stay visible): DFlash's sliding layers (runtime/models/dflash.py).
+- N_bi = number of keys query (b, i) sees (after lengths, key_mask, causal and window), the visible-key count of
   docs/design.md §1; beta comes from :func:`plugins.rule.beta_torch`. A row that sees no key outputs zeros.
   Accumulation is fp32; the output has q's dtype.
 """
@@ -64,13 +69,16 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: to
     if key_mask is not None and tuple(key_mask.shape) != (b, kv_max):
         raise ValueError(f"key_mask {tuple(key_mask.shape)} must be [batch, kv_len_max] = {(b, kv_max)}")
     scale = d ** -0.5 if scale is None else scale
-    j = torch.arange(kv_max)[None, None, :]
-    last = (kv_lens[:, None] - q_len + torch.arange(q_len)[None] + 1) if causal else kv_lens[:, None].expand(-1, q_len)
-    visible = j < last[:, :, None]  # [b, q_len, kv_max]
-    if window is not None:
-        visible &= j >= (last[:, :, None] - window)
+    present = torch.arange(kv_max)[None, :] < kv_lens[:, None]  # [b, kv_max]
     if key_mask is not None:
-        visible &= key_mask.cpu().bool()[:, None, :]
+        present &= key_mask.cpu().bool()
+    pos = present.cumsum(-1) - 1  # a present key's position: its rank among the row's present keys
+    qpos = present.sum(-1, keepdim=True) - q_len + torch.arange(q_len)[None]  # [b, q_len]: the last q_len positions
+    visible = present[:, None, :].expand(-1, q_len, -1)  # [b, q_len, kv_max]
+    if causal:
+        visible = visible & (pos[:, None, :] <= qpos[:, :, None])
+    if window is not None:
+        visible = visible & (pos[:, None, :] > qpos[:, :, None] - window)
     n = visible.sum(-1)  # [b, q_len]: N per query row
     beta = beta_torch(n, profile) if profile is not None and profile.enabled else torch.ones_like(n, dtype=torch.float32)
     qf = q.float() * (beta[:, None, :, None].float().to(q.device) * scale)

@@ -189,14 +189,20 @@ def visible_keys(kv_lens, q_len: int, causal: bool, window: int | None = None):
         q_len: query rows per sequence (a block, or 1 for a decode step).
         causal: row i sees ``kv_len - q_len + i + 1`` keys (verify blocks, causal drafters); else all ``kv_len``
             (DFlash blocks: every query of a block sees the whole context and block).
-        window: a sliding-window layer's window W: N = min(N, W).
+        window: a sliding-window layer's window W, anchored at each query's own position ``p_i = kv_len - q_len + i``
+            (the queries are the last q_len positions): row i sees the keys at positions ``> p_i - W``, so
+            N = min(N, W) when causal and min(kv_len, W + q_len - 1 - i) for a non-causal block (its later block
+            keys included), as flash-attention's bottom-right aligned ``window_size=(W - 1, -1)`` and DFlash's
+            sliding layers (runtime/models/dflash.py ``window_mask``).
     """
     import torch
 
     kv = torch.as_tensor(kv_lens).to(torch.int64)[:, None]
     rows = torch.arange(q_len, device=kv.device)[None]
     n = kv - q_len + rows + 1 if causal else kv.expand(-1, q_len)
-    return n.clamp(max=window) if window is not None else n
+    if window is None:
+        return n
+    return n.clamp(max=window) if causal else torch.minimum(n, window + q_len - 1 - rows)
 
 
 def count_visible(visible):

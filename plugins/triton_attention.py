@@ -4,7 +4,8 @@ One program computes a [BLOCK_M query rows x head_dim] tile of one (batch, head)
 tiles of BLOCK_N (flash-attention recurrence, fp32 accumulators). beta is computed **inside** the kernel per query
 row from that row's visible-key count N and the profile constants (no extra pass over Q):
 
-    N = causal ? kv_len - q_len + i + 1 : kv_len;   N = min(N, window) if window
+    P = present keys (kv_len, less the key_mask holes);  query i at position p_i = P - q_len + i
+    N = (causal ? p_i + 1 : P) - (window ? max(p_i + 1 - window, 0) : 0)
     beta = min(cap, 1 + ln(max((N - top_k) / (ref_keys - top_k), 1)) / slope)      (plugins/rule.py)
 
 and folded into the softmax scale of that row (scores = (q . k) * scale * beta), which equals scaling q.
@@ -80,28 +81,46 @@ if triton is not None:
         row_ok = rows < q_len
         q = tl.load(q_ptr + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
-        # key positions per row: [first, last)
-        if CAUSAL:
-            last = kv_len - q_len + rows + 1
-        else:
-            last = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len
-        if HAS_WINDOW:
-            first = tl.maximum(last - window, 0)
-        else:
-            first = tl.zeros([BLOCK_M], dtype=tl.int32)
-        lo = tl.min(tl.where(row_ok, first, kv_len), axis=0)
-        hi = tl.max(tl.where(row_ok, last, 0), axis=0)
+        # Positions (plugins/attention_ref.py): a row's present keys (index < kv_len, mask nonzero) are positions
+        # 0..P-1 in index order, the queries the last q_len of them. Row i sees positions [lo_pos, hi_pos).
         m_base = mask_ptr + b * smb
-        if HAS_MASK:  # N = visible keys in [first, last): one pass over the int32 mask row (not over Q or K)
-            cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
-            for start in range(lo, hi, BLOCK_N):
+        if HAS_MASK:  # P: one pass over the int32 mask row (not over Q or K)
+            p_keys = kv_len * 0
+            for start in range(0, kv_len, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                keep = tl.load(m_base + cols * smn, mask=cols < hi, other=0) != 0
-                vis = (cols[None, :] >= first[:, None]) & (cols[None, :] < last[:, None]) & keep[None, :]
-                cnt += tl.sum(vis.to(tl.int32), axis=1)
-            n = cnt.to(tl.float32)
+                keep = tl.load(m_base + cols * smn, mask=cols < kv_len, other=0) != 0
+                p_keys += tl.sum(keep.to(tl.int32), axis=0)
         else:
-            n = (last - first).to(tl.float32)
+            p_keys = kv_len
+        qpos = p_keys - q_len + rows
+        if CAUSAL:
+            hi_pos = qpos + 1
+        else:
+            hi_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + p_keys
+        if HAS_WINDOW:  # anchored at the query's own position: keys at positions > qpos - window
+            lo_pos = tl.maximum(qpos + 1 - window, 0)
+        else:
+            lo_pos = tl.zeros([BLOCK_M], dtype=tl.int32)
+        n = tl.maximum(hi_pos - lo_pos, 0).to(tl.float32)  # N per row, from P alone
+        pos_lo = tl.min(tl.where(row_ok, lo_pos, p_keys), axis=0)
+        pos_hi = tl.max(tl.where(row_ok, hi_pos, 0), axis=0)
+        if HAS_MASK:  # key index range: from the first tile holding position pos_lo (a second pass over the mask
+            lo = kv_len * 0  # row, which skips the tiles before a window), to the row's end
+            base = kv_len * 0  # present keys before index lo
+            seen = kv_len * 0
+            if HAS_WINDOW:
+                for start in range(0, kv_len, BLOCK_N):
+                    cols = start + tl.arange(0, BLOCK_N)
+                    keep = tl.load(m_base + cols * smn, mask=cols < kv_len, other=0) != 0
+                    seen += tl.sum(keep.to(tl.int32), axis=0)
+                    before = seen <= pos_lo  # the whole tile lies before the lowest position any row needs
+                    lo = tl.where(before, start + BLOCK_N, lo)
+                    base = tl.where(before, seen, base)
+            hi = kv_len
+        else:  # positions are indices
+            lo = pos_lo
+            base = pos_lo
+            hi = pos_hi
         if ENABLED:  # beta(N) per row, from the rule's constants: no pass over Q
             r = tl.maximum((n - TOP_K) / REF_MINUS_TOPK, 1.0)
             beta = tl.minimum(1.0 + tl.log(r) / SLOPE, CAP)
@@ -113,16 +132,22 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         k_base = k_ptr + b * skb + kvh * skh
         v_base = v_ptr + b * svb + kvh * svh
+        run = base  # present keys before the current tile (HAS_MASK)
         for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < hi
             k = tl.load(k_base + cols[:, None] * skn + dims[None, :] * skd, mask=col_ok[:, None],
                         other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * row_scale[:, None]  # [BLOCK_M, BLOCK_N], fp32
-            vis = (cols[None, :] >= first[:, None]) & (cols[None, :] < last[:, None]) & row_ok[:, None]
-            if HAS_MASK:
-                keep = tl.load(m_base + cols * smn, mask=col_ok, other=0) != 0
-                vis = vis & keep[None, :]
+            if HAS_MASK:  # a key's position is its rank among the present keys: a prefix count of the mask
+                keep = (tl.load(m_base + cols * smn, mask=col_ok, other=0) != 0) & col_ok
+                kpos = run + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                run += tl.sum(keep.to(tl.int32), axis=0)
+            else:
+                keep = col_ok
+                kpos = cols
+            vis = ((kpos[None, :] >= lo_pos[:, None]) & (kpos[None, :] < hi_pos[:, None]) & keep[None, :]
+                   & row_ok[:, None])
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -180,9 +180,9 @@ class TorchDFlashDrafter:
         cfg = model.config
         self.device = torch_device(device)
         self.model = model.to(device=self.device, dtype=torch.float32).eval()
-        # sliding-window layers run on the eager attention (the fused op's window is causal); beta per layer and
-        # row comes from each layer's own mask either way
-        self.model.attention_impl = AttentionImpl.EAGER if model.config.sliding else attention_impl
+        # beta per layer and row comes from each layer's own visible keys either way (sliding layers: the op's
+        # window, anchored at each block query's position, or the eager path's window mask)
+        self.model.attention_impl = attention_impl
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
             if w.dim() != 2 or w.shape[1] != cfg.hidden_size:
                 raise ValueError(f"{name} {tuple(w.shape)} must be [vocab, {cfg.hidden_size}]")

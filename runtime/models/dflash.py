@@ -374,7 +374,8 @@ class DFlashAttention(nn.Module):
         k = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.nkv)), cos, sin)
         return k, self._heads(self.v_proj(ctx), self.nkv)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None, profile=None, rows_on=None):
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None, profile=None, rows_on=None,
+                window=None):
         """Non-causal block attention.
 
         Args:
@@ -388,10 +389,13 @@ class DFlashAttention(nn.Module):
             profile: fused path only: a :class:`plugins.rule.QueryScaleProfile`; the op computes beta(N) per row
                 from that row's visible keys (N = ``attn_mask`` count). None = beta 1.
             rows_on: fused path only: optional bool ``[batch]``, False = beta 1 for that row; None = all on.
+            window: fused path only: this layer's sliding window W (None = full attention); the op anchors it at
+                each block query's own position (keys at positions > p - W, positions = ranks of the visible keys),
+                which is :meth:`DFlashDrafter.window_mask` on the eager path.
         Returns:
             ``[batch, B, hidden]``.
         Raises:
-            ValueError: ``profile``/``rows_on`` on the eager path, or a mask the fused path cannot take.
+            ValueError: ``profile``/``rows_on``/``window`` on the eager path, or a mask the fused path cannot take.
         """
         b, q_len, _ = x.shape
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.nh)), cos, sin)
@@ -402,8 +406,10 @@ class DFlashAttention(nn.Module):
         k = torch.cat([*ctx_k, k_blk] if isinstance(ctx_k, tuple) else [ctx_k, k_blk], dim=2)
         v = torch.cat([*ctx_v, v_blk] if isinstance(ctx_v, tuple) else [ctx_v, v_blk], dim=2)
         if self.attention_impl == AttentionImpl.FUSED:
-            out = self._fused(q, k, v, attn_mask, profile, rows_on)
+            out = self._fused(q, k, v, attn_mask, profile, rows_on, window)
             return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
+        if window is not None:
+            raise ValueError("the eager path takes a sliding layer's window as its mask (DFlashDrafter.window_mask)")
         if profile is not None or rows_on is not None:  # beta per query row from this layer's own mask
             if attn_mask is None or attn_mask.dtype != torch.bool:
                 raise ValueError("the eager path computes beta from a bool attn_mask (True = visible); pass one, or "
@@ -440,7 +446,7 @@ class DFlashAttention(nn.Module):
         out = torch.matmul(probs, v).reshape(b, self.nh, q_len, self.hd)
         return out.transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
 
-    def _fused(self, q, k, v, attn_mask, profile, rows_on):
+    def _fused(self, q, k, v, attn_mask, profile, rows_on, window=None):
         """``torch.ops.sharpdraft.query_scaled_attention`` over q ``[b, heads, B, hd]``, k/v ``[b, kv_heads, keys,
         hd]`` (GQA in the op) -> ``[b, heads, B, hd]``; rows with ``rows_on`` False run with the profile off."""
         from plugins.torch_op import attention
@@ -456,7 +462,7 @@ class DFlashAttention(nn.Module):
 
         def run(rows, prof):
             sel = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
-            return attention(sel(q), sel(k), sel(v), None, prof, causal=False, scale=self.scaling,
+            return attention(sel(q), sel(k), sel(v), None, prof, causal=False, window=window, scale=self.scaling,
                              key_mask=sel(key_mask))
 
         if not on or rows_on is None or bool(rows_on.all()):
@@ -489,9 +495,10 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None, profile=None, rows_on=None):
+    def forward(self, h, ctx_k, ctx_v, cos, sin, attn_mask=None, query_scale=None, profile=None, rows_on=None,
+                window=None):
         h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, attn_mask, query_scale,
-                               profile, rows_on)
+                               profile, rows_on, window)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -580,13 +587,11 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(target_hidden)
         attn_mask = None if key_mask is None else key_mask.to(torch.bool)[:, None, None, :]  # [batch, 1, 1, keys]
         windows = self.config.windows
-        if self.config.sliding and self.attention_impl == AttentionImpl.FUSED:
-            raise ValueError("sliding-window DFlash layers run on the eager attention (the fused op's window is "
-                             "causal); set attention_impl='eager'")
+        fused = self.attention_impl == AttentionImpl.FUSED  # the op takes each layer's window itself
         c_past = 0 if past_kv is None else past_kv[0][0].shape[2]
         # key positions: the cache holds positions 0..c_past-1 in order, then the new context rows and the block
         key_pos = torch.cat([torch.arange(c_past, device=position_ids.device)[None].expand(position_ids.shape[0], -1),
-                             position_ids], dim=1) if self.config.sliding else None
+                             position_ids], dim=1) if self.config.sliding and not fused else None
         h, new_kv = block_embeds, []
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.self_attn.context_kv(ctx, cos[:, :, :c_new], sin[:, :, :c_new])
@@ -599,6 +604,10 @@ class DFlashDrafter(nn.Module):
                     k_new = torch.cat([past_kv[i][0], k_new], dim=2)
                     v_new = torch.cat([past_kv[i][1], v_new], dim=2)
                 new_kv.append((k_new, v_new))
+            if fused:
+                h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale, profile,
+                          rows_on, windows[i])
+                continue
             mask = attn_mask if windows[i] is None else \
                 self.window_mask(key_pos, position_ids[:, c_new:], windows[i], attn_mask)
             h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], mask, query_scale, profile, rows_on)

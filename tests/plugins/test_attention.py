@@ -164,25 +164,54 @@ def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
     assert len(rows) == 2 and all(row["max_abs_diff_vs_sdpa_mul"] < 1e-5 for row in rows)
 
 
-@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 30)])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 30), (False, 30), (False, 3)])
 def test_key_mask_holes_count_only_visible_keys(causal, window):
-    """A ragged batch right-padded piecewise (past | context | block): holes in the key mask are hidden and N counts
-    only visible keys, so a row with holes equals the same row with the holes cut out."""
-    prof = QueryScaleProfile(ref_keys=40)
+    """A ragged batch right-padded piecewise (past | context | block): holes in the key mask are hidden, positions
+    are ranks among the present keys, so a row with holes equals the same row with the holes cut out (windows
+    included: a window counts positions, not indices)."""
+    prof = QueryScaleProfile(ref_keys=12, top_k=2)
     q, k, v = _qkv(2, 4, 2, 6, 120, 32, mag=2.0)
     mask = torch.ones(2, 120, dtype=torch.bool)
     mask[1, 50:83] = False  # a 33-key hole inside row 1
+    mask[1, 100:102] = False  # and one of 2 keys where a window of 30 starts
     lens = torch.tensor([120, 110])
     out = fused_attention(q, k, v, lens, prof, causal, window, key_mask=mask)
     ref = attention_ref(q, k, v, lens, prof, causal, window, key_mask=mask)
     assert (out - ref).abs().max().item() < ATOL[torch.float32]
     keep = mask[1, :110]
-    solo = attention_ref(q[1:], k[1:, :, :110][:, :, keep], v[1:, :, :110][:, :, keep], None, prof, causal,
-                         window=None)
-    if window is None:  # the window is positional, so with a window the compacted row differs (by design)
-        assert (out[1:] - solo).abs().max().item() < ATOL[torch.float32]
-    beta_row1 = prof.beta(110 - 33)  # N of row 1 without window, non-causal
-    assert causal or beta_row1 > 1.0
+    solo = attention_ref(q[1:], k[1:, :, :110][:, :, keep], v[1:, :, :110][:, :, keep], None, prof, causal, window)
+    assert (out[1:] - solo).abs().max().item() < ATOL[torch.float32]
+    assert (ref[1:] - solo).abs().max().item() < 1e-6
+    n_row1 = visible_keys(torch.tensor([110 - 35]), 6, causal, window)[0]
+    assert window == 3 or prof.beta(int(n_row1.min())) > 1.0  # every row is scaled, so a wrong N would show
+
+
+@pytest.mark.parametrize("q_len, window", [(8, 40), (8, 5), (16, 100)])
+def test_block_window_matches_dflash_sliding_mask(q_len, window):
+    """The non-causal window (DFlash sliding layers) against the drafter's own mask: a block query at position p
+    sees the keys at positions > p - W and the whole block (runtime.models.dflash.DFlashDrafter.window_mask), with
+    beta(N) from that mask's row counts; a ragged row (cache holes) included."""
+    from plugins.rule import beta_torch, count_visible
+    from runtime.models.dflash import DFlashDrafter
+
+    prof = QueryScaleProfile(ref_keys=4, top_k=2)
+    c_past, c_new, heads, kvh, d = 90, 5, 4, 2, 32
+    kv = c_past + c_new + q_len
+    q, k, v = _qkv(2, heads, kvh, q_len, kv, d, mag=2.0, seed=3)
+    key_mask = torch.ones(2, kv, dtype=torch.bool)
+    key_mask[1, 61:c_past] = False  # row 1 has 61 cached keys (then holes), row 0 has 90
+    valid_past = torch.tensor([c_past, 61])
+    pos_new = valid_past[:, None] + torch.arange(c_new + q_len)[None]  # new context rows, then the block
+    key_pos = torch.cat([torch.arange(c_past)[None].expand(2, -1), pos_new], dim=1)
+    mask = DFlashDrafter.window_mask(key_pos, pos_new[:, c_new:], window, key_mask[:, None, None, :])  # [b,1,B,kv]
+    beta = beta_torch(count_visible(mask), prof)  # [b, 1, B, 1]
+    rep = heads // kvh
+    scores = (q * beta * d ** -0.5) @ k.repeat_interleave(rep, 1).transpose(-1, -2)
+    oracle = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v.repeat_interleave(rep, 1)
+    ref = attention_ref(q, k, v, None, prof, causal=False, window=window, key_mask=key_mask)
+    out = fused_attention(q, k, v, None, prof, False, window, key_mask=key_mask)
+    assert (ref - oracle).abs().max().item() < 1e-5
+    assert (out - oracle).abs().max().item() < ATOL[torch.float32]
 
 
 def test_row_that_sees_no_key_outputs_zeros():

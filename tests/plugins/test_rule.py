@@ -88,7 +88,9 @@ def test_every_form_of_n_agrees_with_the_rule():
     kv = torch.tensor([7, 12])
     causal = visible_keys(kv, 4, causal=True)
     assert causal.tolist() == [[4, 5, 6, 7], [9, 10, 11, 12]]
-    assert visible_keys(kv, 4, causal=False, window=10).tolist() == [[7] * 4, [10] * 4]
+    assert visible_keys(kv, 4, causal=True, window=5).tolist() == [[4, 5, 5, 5], [5] * 4]
+    # a non-causal block's window is anchored at each query's position: row i sees min(kv, W + q_len - 1 - i)
+    assert visible_keys(kv, 4, causal=False, window=10).tolist() == [[7] * 4, [12, 12, 11, 10]]
     # a causal boolean mask [batch, 1, q, keys] counted row by row gives the same N
     j, i = torch.arange(12)[None, None, None, :], torch.arange(4)[None, None, :, None]
     mask = (j <= kv[:, None, None, None] - 4 + i) & (j < kv[:, None, None, None])

@@ -219,6 +219,39 @@ def test_fused_drafter_triton_interpreter_tiny(tmp_path, monkeypatch):
     assert len(calls) == 6, calls
 
 
+@pytest.mark.parametrize("triton_cpu", [False, True])
+def test_fused_sliding_layers_equal_the_eager_window_mask(tmp_path, monkeypatch, triton_cpu):
+    """A drafter with a windowed layer (window 8) on the op (beta from each row's and layer's own visible keys)
+    equals the eager drafter (window mask, beta counted from it) on ragged draft calls with a padded cache and a row
+    switched off; with the torch reference and with the Triton kernel under its interpreter."""
+    from runtime.models.dflash import load_dflash
+    from runtime.torch_engines import TorchDFlashDrafter
+
+    ckpt = write_tiny_dflash(tmp_path / "swa", block_size=4, sliding_window=8)
+    g = torch.Generator().manual_seed(5)
+    emb, head = torch.randn(TINY_VOCAB, 64, generator=g), torch.randn(TINY_VOCAB, 64, generator=g)
+    profile = QueryScaleProfile(ref_keys=6, top_k=2)  # the window's 8 + 3 keys give beta > 1 on the sliding layer
+    if triton_cpu:
+        monkeypatch.setenv("SHARPDRAFT_TRITON_CPU", "1")
+    fused = TorchDFlashDrafter(load_dflash(ckpt), emb, head, profile, device="cpu", attention_impl="fused")
+    eager = TorchDFlashDrafter(load_dflash(ckpt), emb, head, profile, device="cpu", attention_impl="eager")
+    assert fused.model.config.windows == [8, None] and fused.model.attention_impl == "fused"
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal((n, 128)).astype(np.float32) for n in (40, 23)]
+    outs = []
+    for d in (fused, eager):
+        caches = [d.new_cache() for _ in rows]
+        first = d.draft(caches, [5, 6], [x[:k] for x, k in zip(rows, (37, 15))])
+        second = d.draft(caches, [7, 8], [x[k:] for x, k in zip(rows, (37, 15))], query_scale=[True, False])
+        outs.append((first, second))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    frozen = TorchDFlashDrafter(load_dflash(ckpt), emb, head, profile.replace(enabled=False), device="cpu")
+    caches = [frozen.new_cache() for _ in rows]
+    off = frozen.draft(caches, [5, 6], [x[:k] for x, k in zip(rows, (37, 15))])
+    assert np.abs(off - outs[0][0]).max() > 1e-2  # beta is on and moves the drafts
+
+
 def test_attention_impl_options(tmp_path):
     """The hook's contract on a tiny drafter: eager is the default; the torch drafter's eager mode (beta computed
     from the key mask in Python) equals its fused mode; misuse is refused."""
