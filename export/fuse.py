@@ -20,8 +20,13 @@ Node contract (the TensorRT plugin, the torch op and the validation op all follo
              parser: the plugin's namespace and its ahead-of-time implementation)
     N of query row i = visible keys it sees (key_mask, causal, window); beta = plugins.rule.beta(N).
 
-Only what can be proven from the graph is fused: a non-causal key-mask attention (DFlash blocks). An additive mask,
-a causal mask or a scale that is not a constant scalar makes the site be reported as not fusable, with the reason.
+Only what can be proven from the graph is fused: a non-causal key-mask attention (DFlash blocks), and a DFlash
+sliding layer's, whose mask is ``And(key_pos > query_pos - W, key mask)`` with key positions ``Concat(arange(cache
+length), position_ids)`` and query positions the block's slice of ``position_ids`` (runtime/models/dflash.py
+``window_mask``): that site gets ``window = W``, which the op anchors at each block query's position with positions
+taken as ranks of the visible keys (plugins/attention_ref.py), equal to the drafter's positions when each row's
+visible keys are positions 0..N-1 in order, as the runtime lays out a ragged batch. An additive mask, a causal mask
+or a scale that is not a constant scalar makes the site be reported as not fusable, with the reason.
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ class _Site:
     k: ir.Value
     v: ir.Value
     scale: float
+    window: int = 0  # a sliding layer's W (0: full attention)
 
 
 def _onnx(node: ir.Node | None, op_type: str) -> bool:
@@ -71,19 +77,85 @@ def _const_scalar(value: ir.Value | None) -> float | None:
     return float(np.asarray(tensor.numpy()).reshape(()))
 
 
-def _mask_source(cond: ir.Value, mask_input: ir.Value) -> int | None:
-    """Number of ``Not`` between ``cond`` and ``mask_input`` (through Cast/Unsqueeze), or None if it is not it."""
-    nots, value = 0, cond
+def _through(value: ir.Value, *ops: str) -> ir.Value:
+    """``value`` followed up through producers of types ``ops`` (each with the data as its first input)."""
     for _ in range(8):
+        node = value.producer()
+        if not any(_onnx(node, op) for op in ops):
+            return value
+        value = node.inputs[0]
+    return value
+
+
+def _is_position_ids(value: ir.Value, graph_input: ir.Value | None) -> bool:
+    return graph_input is not None and value is graph_input
+
+
+def _window_of(cond: ir.Value, positions: ir.Value | None) -> int | str:
+    """W if ``cond`` is DFlash's sliding-window test ``key_pos > query_pos - W``, else why it is not.
+
+    runtime/models/dflash.py ``window_mask``: key positions = ``Concat(arange(c_past), position_ids)`` along the key
+    axis (the cache holds positions 0..c_past-1, then the new context rows and the block), query positions = the
+    block's slice of ``position_ids``; both through Unsqueeze/Expand/Cast.
+    """
+    gt = cond.producer()
+    if not _onnx(gt, "Greater"):
+        return "its extra condition is not Greater(key positions, query positions - W)"
+    key_pos, shifted = gt.inputs
+    sub = _through(shifted, "Cast").producer()
+    w = _const_scalar(sub.inputs[1]) if _onnx(sub, "Sub") else None
+    if w is None or w < 1 or w != int(w):
+        return "the window test is not Greater(key positions, Sub(query positions, constant W >= 1))"
+    q_slice = _through(sub.inputs[0], "Unsqueeze", "Cast").producer()
+    if not (_onnx(q_slice, "Slice") and _is_position_ids(q_slice.inputs[0], positions)):
+        return "the window's query positions are not a slice of position_ids"
+    cat = _through(key_pos, "Unsqueeze", "Cast").producer()
+    if not (_onnx(cat, "Concat") and len(cat.inputs) == 2 and _is_position_ids(cat.inputs[1], positions)):
+        return "the window's key positions are not Concat(arange(cache length), position_ids)"
+    rng = _through(cat.inputs[0], "Expand", "Unsqueeze", "Cast").producer()
+    if not (_onnx(rng, "Range") and _const_scalar(rng.inputs[0]) == 0 and _const_scalar(rng.inputs[2]) == 1):
+        return "the window's cache positions are not Range(0, cache length, 1)"
+    return int(w)
+
+
+def _mask_source(cond: ir.Value, mask_input: ir.Value, positions: ir.Value | None = None,
+                 allow_window: bool = True) -> tuple[int, int] | str:
+    """``(number of Not, window W or 0)`` between ``cond`` and ``mask_input`` (through Cast/Unsqueeze, a Gather of
+    index 0 on an unsqueezed axis, and at most one ``And`` with DFlash's window test), or why it is not a key
+    mask."""
+    nots, value, window = 0, cond, 0
+    for _ in range(12):
         if value is mask_input:
-            return nots
+            return nots, window
         node = value.producer()
         if _onnx(node, "Not"):
             nots += 1
+        elif _onnx(node, "And") and allow_window and window == 0:
+            reasons = []
+            for m, c in ((0, 1), (1, 0)):
+                inner = _mask_source(node.inputs[m], mask_input, positions, allow_window=False)
+                if isinstance(inner, str) or inner[0]:
+                    reasons.append(inner if isinstance(inner, str) else "a Not inside the And")
+                    continue
+                w = _window_of(node.inputs[c], positions)
+                if isinstance(w, str):
+                    return w
+                window = w
+                value = node.inputs[m]
+                break
+            else:
+                return f"And {node.name!r}: neither side is the key mask ({reasons[0]})"
+            continue
+        elif _onnx(node, "Gather"):
+            idx, data = _const_scalar(node.inputs[1]), node.inputs[0].producer()
+            axis = int(node.attributes["axis"].value) if "axis" in node.attributes else 0
+            axes = ir.convenience.get_const_tensor(data.inputs[1]) if _onnx(data, "Unsqueeze") else None
+            if idx != 0 or axes is None or axis not in np.asarray(axes.numpy()).reshape(-1).tolist():
+                return f"Gather {node.name!r} is not index 0 of an unsqueezed axis"
         elif not (_onnx(node, "Cast") or _onnx(node, "Unsqueeze")):
-            return None
+            return f"{node.op_type if node else 'graph input ' + repr(value.name)} in the mask path"
         value = node.inputs[0]
-    return None
+    return "the mask path is longer than 12 ops"
 
 
 def _unrepeat(value: ir.Value) -> ir.Value:
@@ -103,21 +175,22 @@ def _unrepeat(value: ir.Value) -> ir.Value:
     return unsq.inputs[0]
 
 
-def _match(softmax: ir.Node, mask_input: ir.Value) -> _Site | str:
+def _match(softmax: ir.Node, mask_input: ir.Value, positions: ir.Value | None = None) -> _Site | str:
     """A fusable site, or the reason it is not one."""
     axis = softmax.attributes.get("axis")
     if axis is not None and int(axis.value) not in (-1, 3):
         return "Softmax is not over the key axis"
-    scores, scale, masked = softmax.inputs[0], 1.0, False
+    scores, scale, masked, window = softmax.inputs[0], 1.0, False, 0
     for _ in range(6):
         node = scores.producer()
         if _onnx(node, "MatMul"):
             break
         if _onnx(node, "Where"):
             cond, a, b = node.inputs
-            nots = _mask_source(cond, mask_input)
-            if nots is None:
-                return f"Where {node.name!r}: its condition does not come from {mask_input.name!r} (not a key mask)"
+            src = _mask_source(cond, mask_input, positions)
+            if isinstance(src, str):
+                return f"Where {node.name!r}: its condition is not a key mask of {mask_input.name!r}: {src}"
+            nots, window = src
             hidden, kept = (a, b) if nots % 2 else (b, a)
             fill = _const_scalar(hidden)
             if fill is None or fill > _NEG_INF_BELOW:
@@ -155,16 +228,19 @@ def _match(softmax: ir.Node, mask_input: ir.Value) -> _Site | str:
         return "the query is already scaled by export/rewrite.py: fuse the frozen graph instead"
     if q.shape is None or len(q.shape) != 4:
         return f"Q must be rank 4 [batch, heads, q_len, head_dim], got {q.shape}"
-    return _Site(softmax, qk, pv, q, _unrepeat(trans.inputs[0]), _unrepeat(pv.inputs[1]), scale)
+    return _Site(softmax, qk, pv, q, _unrepeat(trans.inputs[0]), _unrepeat(pv.inputs[1]), scale, window)
 
 
-def fuse_attention(model: ir.Model, profile: QueryScaleProfile, key_mask_input: str = "attention_mask") -> int:
+def fuse_attention(model: ir.Model, profile: QueryScaleProfile, key_mask_input: str = "attention_mask",
+                   positions_input: str = "position_ids") -> int:
     """Replace every key-mask attention of a frozen drafter graph by one ``sharpdraft::QueryScaledAttention`` node.
 
     Args:
         model: the frozen drafter graph (export/graphs.py, before export/rewrite.py); modified in place.
         profile: the query-scale constants written into each node's attributes (``enabled`` included).
         key_mask_input: name of the graph input ``[batch, keys]`` (1 = visible) the attention masks come from.
+        positions_input: name of the graph input ``[batch, c_new + B]`` (positions of the new context rows and the
+            block) a sliding layer's window test reads; such a layer is fused with its ``window`` attribute.
     Returns:
         the number of attentions fused.
     Raises:
@@ -176,11 +252,12 @@ def fuse_attention(model: ir.Model, profile: QueryScaleProfile, key_mask_input: 
     if mask_input is None:
         raise FusionError(f"{key_mask_input!r} is not an input of graph {graph.name!r}; the fused node needs the key "
                           f"mask (inputs: {[v.name for v in graph.inputs]})")
+    positions = next((v for v in graph.inputs if v.name == positions_input), None)
     graph.sort()
     sites, skipped = [], []
     for node in list(graph):
         if _onnx(node, "Softmax"):
-            site = _match(node, mask_input)
+            site = _match(node, mask_input, positions)
             (sites if isinstance(site, _Site) else skipped).append(site if isinstance(site, _Site)
                                                                    else f"{node.name!r}: {site}")
     if not sites:
@@ -197,7 +274,7 @@ def fuse_attention(model: ir.Model, profile: QueryScaleProfile, key_mask_input: 
         kv_len32 = ir.node("Cast", [kv_len.outputs[0]], {"to": int(ir.DataType.INT32)}, name=f"{pre}/kv_len_i32")
         kv_lens = ir.node("Expand", [kv_len32.outputs[0], batch.outputs[0]], name=f"{pre}/kv_lens")
         attrs = {"ref_keys": int(profile.ref_keys), "top_k": int(profile.top_k), "slope": float(profile.slope),
-                 "cap": float(profile.cap), "enabled": int(profile.enabled), "causal": 0, "window": 0,
+                 "cap": float(profile.cap), "enabled": int(profile.enabled), "causal": 0, "window": int(s.window),
                  "scale": float(s.scale), "plugin_namespace": DOMAIN, "aot": 1}
         fused = ir.node(OP_TYPE, [s.q, s.k, s.v, kv_lens.outputs[0], mask_i32.outputs[0]], attrs, domain=DOMAIN,
                         version=OP_VERSION, name=f"{pre}/{OP_TYPE}", num_outputs=1)
@@ -216,7 +293,8 @@ def fuse_attention(model: ir.Model, profile: QueryScaleProfile, key_mask_input: 
     return len(sites)
 
 
-def fuse_file(src: Path, dst: Path, profile: QueryScaleProfile, key_mask_input: str = "attention_mask") -> int:
+def fuse_file(src: Path, dst: Path, profile: QueryScaleProfile, key_mask_input: str = "attention_mask",
+              positions_input: str = "position_ids") -> int:
     """Load the frozen drafter ``src``, :func:`fuse_attention`, save to ``dst`` (+ ``dst.data``) and check it.
 
     Raises:
@@ -224,7 +302,7 @@ def fuse_file(src: Path, dst: Path, profile: QueryScaleProfile, key_mask_input: 
         onnx.checker.ValidationError: the result is not valid ONNX.
     """
     model = ir.load(Path(src))
-    n = fuse_attention(model, profile, key_mask_input)
+    n = fuse_attention(model, profile, key_mask_input, positions_input)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, dst, external_data=dst.name + ".data")

@@ -372,12 +372,9 @@ def _load_pair(fam: DrafterFamily, ckpt: Path, target_source: str | None):
 def _check_plan(cfg: ExportConfig, drafter, target, taps: list[int], k: int) -> int | None:
     """Refusals that need the loaded pair but no graph (seconds). Returns the verify default (None: all k)."""
     if cfg.fused_attention and not cfg.spec.fused_attention_ok(drafter):
-        why = ("has sliding-window layers, which the fused op (causal windows only) cannot run"
-               if drafter.config.sliding else "stores its own LM head (speculators format), which the fused graph "
-               "form does not take")
-        hint = ("; the shipped full-attention DFlash drafter fuses: --checkpoint drafters/dflash-smollm2-135m"
-                if drafter.config.sliding else "")  # only DFlash fuses (ExportConfig refuses the rest)
-        raise ExportError(f"--fused-attention: this drafter {why}; export without --fused-attention{hint}")
+        # only DFlash fuses (ExportConfig refuses the rest)
+        raise ExportError("--fused-attention: this drafter stores its own LM head (speculators format), which the "
+                          "fused graph form does not take; export without --fused-attention")
     if cfg.target_precision != "fp32":
         from export.genai_target import GenaiBuildError, builder_taps
 

@@ -86,8 +86,8 @@ class DFlashFamily(DrafterFamily):
         return self.num_keys_note
 
     def fused_attention_ok(self, drafter) -> bool:
-        # the fused op's window is causal; its graph form reads the LM head as an input
-        return not drafter.config.sliding and drafter.lm_head is None
+        # sliding layers fuse with their window (export/fuse.py); the graph form reads the LM head as an input
+        return drafter.lm_head is None
 
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
         from export.graphs import export_drafter

@@ -69,10 +69,24 @@ def test_export_validates_and_decoding_is_lossless(swa_dir, tiny_target_dir, tmp
     ids = eng.tokenizer.encode("def add(a, b):\n    return a + b\n" * 6)
     assert eng.generate(ids, 24).token_ids == eng.generate_target_only(ids, 24).token_ids
     torch_eng = SpecEngine.from_dir(tmp_path / "e", device="cpu", backend="torch", check_invariants=True)
-    out = torch_eng.generate(ids, 24)  # the torch backend runs the windowed layers on the eager attention
+    out = torch_eng.generate(ids, 24)  # the torch backend runs the windowed layer on the fused op
     assert out.token_ids == torch_eng.generate_target_only(ids, 24).token_ids and out.stats.rounds > 0
-    with pytest.raises(ExportError, match="sliding-window layers.*--checkpoint drafters/dflash-smollm2-135m"):
-        run_export(ExportConfig(family="dflash", out=tmp_path / "f", checkpoint=swa_dir,
-                                target=str(tiny_target_dir), target_precision="fp32", ref_keys=64,
-                                fused_attention=True))
     assert json.loads((swa_dir / "config.json").read_text())["sliding_window"] == WINDOW
+
+
+def test_fused_export_takes_the_window_and_validates(swa_dir, tiny_target_dir, tmp_path):
+    """--fused-attention on a drafter with a sliding layer: both attentions fused, the windowed one with its
+    window; the fused graph equals the portable one on ragged rows (a cache hole inside the window's reach)."""
+    import onnx
+
+    from export.fuse import DOMAIN, node_attributes
+    from export.pipeline import ExportConfig, run_export
+
+    m = run_export(ExportConfig(family="dflash", out=tmp_path / "f", checkpoint=swa_dir, target=str(tiny_target_dir),
+                                target_precision="fp32", ref_keys=64, fused_attention=True))
+    fused = m["validation"]["drafter_fused"]
+    assert all(p["max_abs_diff_logits"] <= p["bound"] for p in fused["points"]), fused
+    assert all(p["beta_effect_on_logits"] > 10 * p["bound"] for p in fused["points"][1:]), fused
+    graph = onnx.load(str(tmp_path / "f" / m["graphs"]["drafter_fused"]["file"]), load_external_data=False)
+    windows = [node_attributes(n)["window"] for n in graph.graph.node if n.domain == DOMAIN]
+    assert windows == [WINDOW, 0]
