@@ -347,9 +347,17 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
 @click.option("--gen-anchors", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="fraction of each sequence's anchors drawn from the target's own greedy continuation (records "
                    "with a prompt_len, scripts/distill.py), where the drafter drafts at inference; the rest uniform")
+@click.option("--tables-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="an engines/ folder: train with the embedding and LM head its drafter is fed (a quantized "
+                   "target's own int4 tables, dequantized as the runtime does) instead of the fp32 target's")
+@click.option("--walk-anchors", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="fraction of each sequence's anchors taken from the rounds the draft-verify loop would make with "
+                   "the current weights (walk_rounds over WALK_SPAN generated positions from a random start): the "
+                   "positions after a rejection, where the loop drafts, not uniform ones; the rest as --gen-anchors")
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
           threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None,
-          sliding_window: int | None, full_layers: int, gen_anchors: float):
+          sliding_window: int | None, full_layers: int, gen_anchors: float, walk_anchors: float,
+          tables_from: Path | None):
     """Train (or resume) the drafter on all shards under --work for --minutes of wall time.
 
     The drafter's ``sharpdraft_query_scale.ref_keys`` is set to the longest training sequence (its training
@@ -359,7 +367,10 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     torch.manual_seed(0)
     target, _ = load_target()
     embed = target.model.embed_tokens.weight.detach()
-    lm_head = target.lm_head.weight.detach().to(compute_dtype())
+    lm_head = target.lm_head.weight.detach()
+    if tables_from is not None:
+        embed, lm_head = engine_tables(tables_from, embed.shape)
+    lm_head = lm_head.to(compute_dtype())
     label_map = None
     if draft_vocab_path is not None:
         from runtime.draft_vocab import load_draft_vocab
@@ -401,7 +412,8 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     state.setdefault("calls", []).append({
         "at_step": state["step"], "minutes": minutes, "lr": lr, "seqs_per_step": seqs_per_step, "anchors": anchors,
         "draft_vocab": str(draft_vocab_path) if draft_vocab_path else None, "slot_decay": slot_decay,
-        "gen_anchors": gen_anchors})
+        "gen_anchors": gen_anchors, "walk_anchors": walk_anchors,
+        "tables_from": str(tables_from) if tables_from else None})
     train_recs, val_recs = load_shards(work)
     if not train_recs or not val_recs:
         raise click.UsageError(f"{work / 'data'} holds {len(train_recs)} training and {len(val_recs)} validation "
@@ -431,7 +443,16 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         tot_loss, acc = 0.0, []
         for _ in range(seqs_per_step):
             rec = train_recs[rng.randrange(len(train_recs))]
-            a = sample_anchors(rng, rec, anchors, gen_anchors)
+            must = None
+            if walk_anchors > 0:
+                gen = generated_range(rec)
+                if len(gen):
+                    start = rng.choice(gen)
+                    d.eval()
+                    must, _ = walk_rounds(d, rec, embed, lm_head, loss_kw, start, WALK_SPAN)
+                    d.train()
+                    must = must[: round(anchors * walk_anchors)]
+            a = sample_anchors(rng, rec, anchors, gen_anchors, must=must)
             with cpu_autocast():
                 loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **loss_kw)
             (loss / seqs_per_step).backward()
@@ -450,24 +471,96 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw)
 
 
+def engine_tables(engine_dir: Path, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embed, lm_head)`` float32 ``[vocab, hidden]``: the tables an engines/ folder feeds its drafter (from its
+    ``shared_weights``; a quantized target's tables dequantized by runtime/shared_tables.py, as at inference).
+
+    Raises:
+        click.UsageError: the folder has no manifest, or its tables are not ``shape`` (another target).
+    """
+    from runtime.manifest import EngineDirError, load_manifest
+    from runtime.shared_tables import load_shared_table
+
+    try:
+        m = load_manifest(engine_dir)
+    except EngineDirError as e:
+        raise click.UsageError(f"--tables-from {engine_dir}: {e}") from e
+    shared = m.get("shared_weights") or {}
+    target_graph = engine_dir / m["graphs"]["target"]["file"]
+    out = []
+    for name in ("embed_weight", "lm_head_weight"):
+        spec = shared.get(name) or shared.get("embed_weight")  # tied tables: one spec serves both
+        if spec is None:
+            raise click.UsageError(f"--tables-from {engine_dir}: its manifest shares no {name}")
+        t = torch.from_numpy(load_shared_table(target_graph, spec).copy())
+        if tuple(t.shape) != tuple(shape):
+            raise click.UsageError(f"--tables-from {engine_dir}: {name} is {tuple(t.shape)}, the target's is "
+                                   f"{tuple(shape)} (an engine of another target)")
+        out.append(t)
+    return out[0], out[1]
+
+
+def generated_range(rec: dict) -> range:
+    """Anchor positions inside a record's generated part (prompt_len .. S-2; empty without a prompt_len)."""
+    pl = rec.get("prompt_len")
+    return range(max(1, pl), rec["ids"].numel() - 1) if pl is not None else range(0)
+
+
+WALK_SPAN = 64  # positions one training walk covers (one forward of WALK_SPAN anchors)
+VAL_WALK_SPAN = 128  # validation: the first 128 generated positions of each reply
+
+
+@torch.no_grad()
+def walk_rounds(d, rec: dict, embed, lm_head, loss_kw: dict | None, start: int, span: int,
+                chunk: int = 64) -> tuple[list[int], list[int]]:
+    """The rounds a greedy draft-verify loop makes over ``rec`` from anchor ``start``: ``(anchors, accepted)``.
+
+    Every anchor in ``start .. start + span - 1`` is drafted teacher-forced (the features of positions before it,
+    as at inference), then the loop is replayed: a round at anchor a accepts 1 + the leading run of correct draft
+    slots (the bonus token included), and the next round starts where the target's token replaced the first wrong
+    draft, a + accepted. Unlike uniform anchors (whose mean is inflated by positions inside long easy runs, which the
+    loop skips over), the mean of ``accepted`` is the mean accepted length the loop gets on this text, up to the
+    numerics of the target's features.
+    """
+    end = min(rec["ids"].numel() - 1, start + span)
+    if end <= start:
+        return [], []
+    correct = []
+    for c in torch.arange(start, end).split(chunk):
+        with cpu_autocast():
+            _, corr, _ = block_loss(d, rec, c, embed, lm_head, **(loss_kw or {}))
+        correct.append(corr)
+    lens = accept_len(torch.cat(correct)).tolist()
+    anchors, accepted, a = [], [], start
+    while a < end:
+        anchors.append(a)
+        accepted.append(min(lens[a - start], end - a))
+        a += lens[a - start]
+    return anchors, accepted
+
+
 def sample_anchors(rng: random.Random, rec: dict, count: int, gen_frac: float = 0.0,
-                   generated_only: bool = False) -> torch.Tensor:
+                   generated_only: bool = False, must: list[int] | None = None) -> torch.Tensor:
     """Sorted distinct anchor positions [A] int64 in 1 .. S-2 of one record.
 
     Anchor a drafts the block after ``ids[a]`` from context 0 .. a - 1. At inference the first anchor of a request
     is its first generated token (position ``prompt_len``), so a record's generated anchors are prompt_len .. S-2.
     ``gen_frac`` of the anchors are drawn there (records with a ``prompt_len``), the rest uniformly from what is
-    left; ``generated_only`` draws only there (None when the record has no generated part).
+    left; ``generated_only`` draws only there (None when the record has no generated part). ``must``: anchors
+    taken first (e.g. :func:`walk_rounds`' rounds), the rest drawn as above.
     """
     n = rec["ids"].numel()
-    pl = rec.get("prompt_len")
-    gen = range(max(1, pl), n - 1) if pl is not None else range(0)
+    gen = generated_range(rec)
     if generated_only:
         if len(gen) == 0:
             return None
         return torch.tensor(sorted(rng.sample(gen, min(count, len(gen)))))
     count = min(count, n - 2)
-    picked = rng.sample(gen, min(len(gen), round(count * gen_frac))) if gen_frac > 0 and len(gen) else []
+    picked = sorted(set(must or []))[:count]
+    chosen = set(picked)
+    if gen_frac > 0 and len(gen):
+        free = [x for x in gen if x not in chosen]
+        picked += rng.sample(free, min(len(free), max(0, round(count * gen_frac) - len(picked))))
     chosen = set(picked)
     rest = [x for x in range(1, n - 1) if x not in chosen]
     picked += rng.sample(rest, count - len(picked))
@@ -485,7 +578,7 @@ def training_profile(query_scale: dict | None, train_len: int) -> dict:
 def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
     d.eval()
     rng = random.Random(1)
-    losses, lens, slot_acc, gen_lens = [], [], [], []
+    losses, lens, slot_acc, gen_lens, walk = [], [], [], [], []
     for rec in val_recs:
         a = sample_anchors(rng, rec, 32)
         with cpu_autocast():
@@ -498,10 +591,13 @@ def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
             with cpu_autocast():
                 _, correct, _ = block_loss(d, rec, a, embed, lm_head, **(loss_kw or {}))
             gen_lens.append(accept_len(correct).float().mean().item())
+            walk += walk_rounds(d, rec, embed, lm_head, loss_kw, generated_range(rec).start, VAL_WALK_SPAN)[1]
     out = {"val_loss": sum(losses) / len(losses), "val_proxy_mal": sum(lens) / len(lens),
            "val_slot_acc": [round(x, 3) for x in torch.stack(slot_acc).mean(0).tolist()]}
     if gen_lens:
         out["val_gen_proxy_mal"] = sum(gen_lens) / len(gen_lens)
+    if walk:  # the loop's own MAL on the first VAL_WALK_SPAN generated positions of each reply (walk_rounds)
+        out["val_walk_mal"] = sum(walk) / len(walk)
     return out
 
 
@@ -518,7 +614,8 @@ def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw):
     # revisited many times can overfit before the time budget ends (`save --best` writes it)
     call_start = state["calls"][-1]["at_step"] if state.get("calls") else 0
     this_call = [e for e in state["log"] if e["step"] > call_start]
-    key = "val_gen_proxy_mal" if "val_gen_proxy_mal" in v else "val_proxy_mal"  # drafting happens after prompts
+    # the loop's MAL where it has one (replies), else the proxy over generated anchors, else over all
+    key = next(k for k in ("val_walk_mal", "val_gen_proxy_mal", "val_proxy_mal") if k in v)
     if v[key] >= max(e.get(key, 0.0) for e in this_call):
         shutil.copyfile(ckpt_path, tmp)
         tmp.replace(ckpt_path.with_name("ckpt_best.pt"))

@@ -265,3 +265,53 @@ def test_grown_drafter_drafts_as_before_until_trained():
         a, _ = d(d.embed_block(blk, emb), taps[:, :10], pos)
         b, _ = g(g.embed_block(blk, emb), taps[:, :10], pos)
     torch.testing.assert_close(a, b)
+
+
+def test_walk_rounds_replays_the_loop_and_equals_a_real_greedy_loop(monkeypatch):
+    """walk_rounds' rounds are those of a greedy draft-verify loop over the same text: checked against a loop
+    that drafts each round with the inference draft step (DFlashDrafter.forward, features of positions < anchor)
+    and accepts the leading run of drafts equal to the target's labels. fp32 throughout (no bf16 autocast), so
+    both sides take the same argmax on any CPU."""
+    import random
+
+    monkeypatch.setenv("SHARPDRAFT_TRAIN_AUTOCAST", "off")
+
+    from scripts.train_dflash import sample_anchors, walk_rounds
+
+    d, rec = _drafter(), _record(4)
+    g = torch.Generator().manual_seed(2)
+    embed, head = torch.randn(VOCAB + 1, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g)
+    # labels = the drafter's own greedy drafts at a few anchors, so some rounds accept several tokens
+    rec["labels"] = rec["labels"].clone()
+    for a in (6, 15, 22):
+        blk = torch.full((1, BLOCK), VOCAB)
+        blk[0, 0] = rec["ids"][a]
+        h, _ = d(d.embed_block(blk, embed), rec["taps"][None, :a].float(), torch.arange(a + BLOCK)[None])
+        drafts = (h[0, 1:] @ head.T).argmax(-1)
+        rec["labels"][a: a + 4] = drafts[:4].to(torch.int32)
+    anchors, accepted = walk_rounds(d, rec, embed, head, None, 5, 30, chunk=7)
+    expect_a, expect_l, a = [], [], 5
+    while a < 35:
+        blk = torch.full((1, BLOCK), VOCAB)
+        blk[0, 0] = rec["ids"][a]
+        h, _ = d(d.embed_block(blk, embed), rec["taps"][None, :a].float(), torch.arange(a + BLOCK)[None])
+        drafts = (h[0, 1:] @ head.T).argmax(-1).tolist()
+        run = 0
+        while run < BLOCK - 1 and a + run < SEQ and drafts[run] == int(rec["labels"][a + run]):
+            run += 1
+        expect_a.append(a)
+        expect_l.append(min(1 + run, 35 - a))
+        a += 1 + run
+    assert anchors == expect_a and accepted == expect_l
+    assert max(accepted) >= 3 and len(anchors) < 30  # the walk skips over accepted runs
+    picked = sample_anchors(random.Random(0), {"ids": rec["ids"], "prompt_len": 5}, 20, 0.5, must=anchors[:6])
+    assert set(anchors[:6]) <= set(picked.tolist()) and picked.numel() == 20
+
+
+def test_tables_from_a_folder_that_is_not_an_engine_is_a_usage_error(tmp_path):
+    import click
+
+    from scripts.train_dflash import engine_tables
+
+    with pytest.raises(click.UsageError, match="--tables-from"):
+        engine_tables(tmp_path, torch.Size([VOCAB, HIDDEN]))
