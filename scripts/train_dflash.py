@@ -365,21 +365,8 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    embed, lm_head, loss_kw = _tables(draft_vocab_path, tables_from, slot_decay)
     target, _ = load_target()
-    embed = target.model.embed_tokens.weight.detach()
-    lm_head = target.lm_head.weight.detach()
-    if tables_from is not None:
-        embed, lm_head = engine_tables(tables_from, embed.shape)
-    lm_head = lm_head.to(compute_dtype())
-    label_map = None
-    if draft_vocab_path is not None:
-        from runtime.draft_vocab import load_draft_vocab
-
-        ids = torch.from_numpy(load_draft_vocab(draft_vocab_path, lm_head.shape[0]))
-        label_map = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
-        label_map[ids] = torch.arange(ids.numel())
-        lm_head = lm_head[ids].contiguous()
-    loss_kw = {"label_map": label_map, "slot_decay": slot_decay}
     ckpt_path = work / "ckpt.pt"
     state = {"step": 0, "seconds": 0.0, "log": []}
     ck = torch.load(ckpt_path) if ckpt_path.exists() else None
@@ -469,6 +456,27 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
             t_start, budget = time.time(), budget - (time.time() - t_start)
     if state["step"] % save_every:
         _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw)
+
+
+def _tables(draft_vocab_path: Path | None, tables_from: Path | None, slot_decay: float):
+    """``(embed [V, hidden] fp32, lm_head [V or draft rows, hidden] in the compute dtype, block_loss kwargs)``: the
+    fp32 target's tables or ``tables_from``'s (:func:`engine_tables`), the LM head cut to a draft vocabulary."""
+    target, _ = load_target()
+    embed = target.model.embed_tokens.weight.detach()
+    lm_head = target.lm_head.weight.detach()
+    del target
+    if tables_from is not None:
+        embed, lm_head = engine_tables(tables_from, embed.shape)
+    lm_head = lm_head.to(compute_dtype())
+    label_map = None
+    if draft_vocab_path is not None:
+        from runtime.draft_vocab import load_draft_vocab
+
+        ids = torch.from_numpy(load_draft_vocab(draft_vocab_path, lm_head.shape[0]))
+        label_map = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
+        label_map[ids] = torch.arange(ids.numel())
+        lm_head = lm_head[ids].contiguous()
+    return embed, lm_head, {"label_map": label_map, "slot_decay": slot_decay}
 
 
 def engine_tables(engine_dir: Path, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
@@ -648,6 +656,29 @@ def save(work: Path, out: Path, best: bool):
         log["previous_run"] = json.loads(prev_file.read_text())
     (out / "training_log.json").write_text(json.dumps(log, indent=1))
     print(f"wrote {out}")
+
+
+@cli.command("validate")
+@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path),
+              help="its data/ shards give the validation sequences (1 in 40, by a hash of their ids)")
+@click.option("--weights", "weights", required=True, multiple=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="DFlash checkpoint folders to measure on the same sequences (repeatable)")
+@click.option("--draft-vocab", "draft_vocab_path", default=None, type=click.Path(exists=True, path_type=Path))
+@click.option("--tables-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--slot-decay", default=2.0, show_default=True, type=click.FloatRange(min=0.1))
+@click.option("--threads", default=2)
+def validate_cmd(work: Path, weights: tuple[Path, ...], draft_vocab_path: Path | None, tables_from: Path | None,
+                 slot_decay: float, threads: int):
+    """Validation figures (loss, proxies, val_walk_mal) of several weights on one validation set, one JSON line each."""
+    from runtime.models.dflash import load_dflash
+
+    torch.set_num_threads(threads)
+    embed, lm_head, loss_kw = _tables(draft_vocab_path, tables_from, slot_decay)
+    _, val_recs = load_shards(work)
+    for w in weights:
+        d = load_dflash(w).float().eval()
+        print(json.dumps({"weights": str(w), **validate(d, val_recs, embed, lm_head, loss_kw)}), flush=True)
 
 
 @cli.command("draft-vocab")
