@@ -484,7 +484,8 @@ def engine_tables(engine_dir: Path, shape: torch.Size) -> tuple[torch.Tensor, to
     ``shared_weights``; a quantized target's tables dequantized by runtime/shared_tables.py, as at inference).
 
     Raises:
-        click.UsageError: the folder has no manifest, or its tables are not ``shape`` (another target).
+        click.UsageError: the folder has no manifest, a table cannot be read, or its tables are not ``shape``
+            (another target).
     """
     from runtime.manifest import EngineDirError, load_manifest
     from runtime.shared_tables import load_shared_table
@@ -500,7 +501,10 @@ def engine_tables(engine_dir: Path, shape: torch.Size) -> tuple[torch.Tensor, to
         spec = shared.get(name) or shared.get("embed_weight")  # tied tables: one spec serves both
         if spec is None:
             raise click.UsageError(f"--tables-from {engine_dir}: its manifest shares no {name}")
-        t = torch.from_numpy(load_shared_table(target_graph, spec).copy())
+        try:
+            t = torch.from_numpy(load_shared_table(target_graph, spec).copy())
+        except (EngineDirError, ValueError, OSError) as e:
+            raise click.UsageError(f"--tables-from {engine_dir}: cannot read {name} ({e}); re-export the folder") from e
         if tuple(t.shape) != tuple(shape):
             raise click.UsageError(f"--tables-from {engine_dir}: {name} is {tuple(t.shape)}, the target's is "
                                    f"{tuple(shape)} (an engine of another target)")
