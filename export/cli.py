@@ -104,6 +104,9 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
                f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, slope {qs['slope']}, "
                f"source {qs['source']})")
     click.echo(_validation_line(manifest["validation"]))
+    fused = manifest["graphs"].get("drafter_fused")
+    if fused:
+        click.echo(_fused_line(fused, manifest["validation"]["drafter_fused"]))
     if not verbose:
         click.echo(f"(exporter and optimizer output: {out / EXPORT_LOG})")
 
@@ -127,6 +130,16 @@ def _validation_line(validation: dict) -> str:
             drafter += (f"; {precision} drafter graph drafts the fp32 graph's first token in "
                         f"{q['slot_top1_agreement'][0]:.0%} of {q['rows']} real-text blocks")
     return f"validation: {target}; {drafter}"
+
+
+def _fused_line(graph: dict, validation: dict) -> str:
+    """What ``--fused-attention`` wrote and how its graph compared with the portable one (export/fuse.py)."""
+    windows = ", ".join(str(w) if w else "full" for w in graph.get("fused_windows", []))
+    pts = "; ".join(f"N = {'+'.join(map(str, p['num_keys']))}: {p['max_abs_diff_logits']:.2g} "
+                    f"(bound {p['bound']:.2g})" for p in validation["points"])  # a+b: one ragged call
+    return (f"fused drafter graph {graph['file']}: {graph['fused_attentions']} attentions as {graph['fused_op']} "
+            f"(windows: {windows}), for TensorRT (the runtime runs the portable drafter graph); max |logit diff| vs "
+            f"the portable graph at {pts}")
 
 
 def _keys(n) -> str:

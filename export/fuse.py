@@ -310,6 +310,12 @@ def fuse_file(src: Path, dst: Path, profile: QueryScaleProfile, key_mask_input: 
     return n
 
 
+def fused_windows(path: Path) -> list[int]:
+    """The ``window`` attribute of every fused node of the graph at ``path``, in graph order (0 = full attention)."""
+    model = onnx.load(str(path), load_external_data=False)
+    return [int(node_attributes(n)["window"]) for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+
+
 def node_attributes(node: onnx.NodeProto) -> dict:
     """The attributes of a fused node as Python values (``{"ref_keys": 2048, "slope": 5.0, ...}``)."""
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}

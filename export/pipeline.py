@@ -529,7 +529,7 @@ def _build_quantized_target(cfg: ExportConfig, target_config, taps: list[int], o
 def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, embed, lm_head,
                    validation: dict) -> dict:
     """Write and validate ``drafter_fused/model.onnx`` (TensorRT form; the ORT runtime keeps ``model.onnx``)."""
-    from export.fuse import PLUGIN_NAME, FusionError, fuse_file
+    from export.fuse import PLUGIN_NAME, FusionError, fuse_file, fused_windows
     from export.validate import validate_fused_drafter
 
     path = tmp / "drafter_fused" / "model.onnx"
@@ -545,7 +545,7 @@ def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, emb
         raise ExportError(f"--fused-attention validation needs onnxruntime-extensions ({e}); "
                           "pip install onnxruntime-extensions") from e
     entry = _graph_entry(tmp, path, io)
-    entry.update(fused_op=PLUGIN_NAME, fused_attentions=n,
+    entry.update(fused_op=PLUGIN_NAME, fused_attentions=n, fused_windows=fused_windows(path),
                  note="for TensorRT (plugins/tensorrt_plugin.py); the sharpdraft runtime runs drafter/model.onnx")
     return entry
 

@@ -95,6 +95,7 @@ class GraphEntry:
     quantization: dict[str, Any] | None = None  # int8 drafter graphs: export/drafter_quant.py's record
     fused_op: str | None = None  # drafter_fused: the custom op's name
     fused_attentions: int | None = None
+    fused_windows: list[int] | None = None  # drafter_fused: each fused node's sliding window (0 = full attention)
     note: str | None = None
 
     @classmethod
@@ -107,6 +108,7 @@ class GraphEntry:
                     min_q_len=f.get("min_q_len", int, False), builder=f.get("builder", dict, False),
                     quantization=f.get("quantization", dict, False),
                     fused_op=f.get("fused_op", str, False), fused_attentions=f.get("fused_attentions", int, False),
+                    fused_windows=f.ints("fused_windows") if "fused_windows" in d else None,
                     note=f.get("note", str, False))
         f.no_rest()
         if entry.file not in entry.sha256:

@@ -89,4 +89,4 @@ def test_fused_export_takes_the_window_and_validates(swa_dir, tiny_target_dir, t
     assert all(p["beta_effect_on_logits"] > 10 * p["bound"] for p in fused["points"][1:]), fused
     graph = onnx.load(str(tmp_path / "f" / m["graphs"]["drafter_fused"]["file"]), load_external_data=False)
     windows = [node_attributes(n)["window"] for n in graph.graph.node if n.domain == DOMAIN]
-    assert windows == [WINDOW, 0]
+    assert windows == [WINDOW, 0] == m["graphs"]["drafter_fused"]["fused_windows"]
