@@ -365,8 +365,8 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    embed, lm_head, loss_kw = _tables(draft_vocab_path, tables_from, slot_decay)
     target, _ = load_target()
+    embed, lm_head, loss_kw = _tables(target, draft_vocab_path, tables_from, slot_decay)
     ckpt_path = work / "ckpt.pt"
     state = {"step": 0, "seconds": 0.0, "log": []}
     ck = torch.load(ckpt_path) if ckpt_path.exists() else None
@@ -458,13 +458,11 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw)
 
 
-def _tables(draft_vocab_path: Path | None, tables_from: Path | None, slot_decay: float):
+def _tables(target, draft_vocab_path: Path | None, tables_from: Path | None, slot_decay: float):
     """``(embed [V, hidden] fp32, lm_head [V or draft rows, hidden] in the compute dtype, block_loss kwargs)``: the
-    fp32 target's tables or ``tables_from``'s (:func:`engine_tables`), the LM head cut to a draft vocabulary."""
-    target, _ = load_target()
+    fp32 ``target``'s tables or ``tables_from``'s (:func:`engine_tables`), the LM head cut to a draft vocabulary."""
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
-    del target
     if tables_from is not None:
         embed, lm_head = engine_tables(tables_from, embed.shape)
     lm_head = lm_head.to(compute_dtype())
@@ -678,7 +676,9 @@ def validate_cmd(work: Path, weights: tuple[Path, ...], draft_vocab_path: Path |
     from runtime.models.dflash import load_dflash
 
     torch.set_num_threads(threads)
-    embed, lm_head, loss_kw = _tables(draft_vocab_path, tables_from, slot_decay)
+    target, _ = load_target()
+    embed, lm_head, loss_kw = _tables(target, draft_vocab_path, tables_from, slot_decay)
+    del target
     _, val_recs = load_shards(work)
     for w in weights:
         d = load_dflash(w).float().eval()

@@ -587,7 +587,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(target_hidden)
         attn_mask = None if key_mask is None else key_mask.to(torch.bool)[:, None, None, :]  # [batch, 1, 1, keys]
         windows = self.config.windows
-        fused = self.attention_impl == AttentionImpl.FUSED  # the op takes each layer's window itself
+        fused = self.attention_impl == AttentionImpl.FUSED
         c_past = 0 if past_kv is None else past_kv[0][0].shape[2]
         # key positions: the cache holds positions 0..c_past-1 in order, then the new context rows and the block
         key_pos = torch.cat([torch.arange(c_past, device=position_ids.device)[None].expand(position_ids.shape[0], -1),
@@ -604,13 +604,13 @@ class DFlashDrafter(nn.Module):
                     k_new = torch.cat([past_kv[i][0], k_new], dim=2)
                     v_new = torch.cat([past_kv[i][1], v_new], dim=2)
                 new_kv.append((k_new, v_new))
-            if fused:
-                h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], attn_mask, query_scale, profile,
-                          rows_on, windows[i])
-                continue
-            mask = attn_mask if windows[i] is None else \
-                self.window_mask(key_pos, position_ids[:, c_new:], windows[i], attn_mask)
-            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], mask, query_scale, profile, rows_on)
+            mask, window = attn_mask, None
+            if fused:  # the op takes the window itself
+                window = windows[i]
+            elif windows[i] is not None:
+                mask = self.window_mask(key_pos, position_ids[:, c_new:], windows[i], attn_mask)
+            h = layer(h, k_new, v_new, cos[:, :, c_new:], sin[:, :, c_new:], mask, query_scale, profile, rows_on,
+                      window)
         return self.norm(h), new_kv
 
     @staticmethod
