@@ -12,8 +12,10 @@ scripts/corpus.py, some with a follow-up turn, and document continuations at lon
   sequence's source; ``manifest.json`` says how every shard was made (target graph, settings, seconds, tokens);
 - feature shards under ``--features`` (build outputs, never committed) in scripts/train_dflash.py's format:
   per sequence ``ids`` int32 [S], ``taps`` bf16 [S, len(taps) * hidden] (the target's ``aux_hidden_states``, i.e.
-  hidden_states[id + 1]), ``labels`` int32 [S] (the target's argmax at each position) and ``prompt_len`` (where
-  the target's own greedy continuation starts), taken from the same
+  hidden_states[id + 1]), ``labels`` int32 [S] (the target's argmax at each position), ``prompt_len`` (where
+  the target's own greedy continuation starts) and, with ``--topk K`` (default 32), the target's K largest logits
+  per position, ``top_ids`` int32 [S, K] and ``top_logits`` fp16 [S, K] (soft targets for distillation), taken
+  from the same
   graph calls that generated the tokens, so features cost nothing extra.
 
 ``features`` recomputes feature shards from committed token shards with one teacher-forced pass of the served
@@ -106,11 +108,11 @@ class BatchDecoder:
     taps of every call are kept per row, so each finished sequence comes with its features and labels.
     """
 
-    def __init__(self, target: OrtTarget, slots: int, capacity: int):
+    def __init__(self, target: OrtTarget, slots: int, capacity: int, topk: int = 0):
         if not target.shared_kv:
             raise click.UsageError("distill.py drives the quantized (kv_io shared) target; export with "
                                    "--target-precision int4 or int8")
-        self.t, self.slots, self.cap = target, slots, capacity
+        self.t, self.slots, self.cap, self.topk = target, slots, capacity, topk
         shape = (slots, target.kv_heads, capacity, target.head_dim)
         self.buffers = [np.zeros(shape, target.kv_dtype) for _ in target.kv_names]
         self.binding = bind_shared(target.session, self.buffers, target.kv_names, target.present_names,
@@ -124,6 +126,8 @@ class BatchDecoder:
                                   self.t.present_names, self.t.taps_output)
         row.update(ids=list(prompt), labels=logits[0].argmax(-1).tolist(),
                    taps=[torch.from_numpy(taps[0]).to(torch.bfloat16)], prompt_len=len(prompt))
+        if self.topk:
+            row["top"] = [top_logits(logits[0], self.topk)]
         self.rows[slot] = row
 
     def step(self) -> None:
@@ -145,11 +149,34 @@ class BatchDecoder:
             r["ids"].append(int(ids[i, 0]))
             r["labels"].append(int(nxt[i]))
             r["taps"].append(torch.from_numpy(taps[i]).to(torch.bfloat16))
+        if self.topk:
+            top = top_logits(logits[live, 0], self.topk)
+            for j, i in enumerate(live):
+                self.rows[i]["top"].append((top[0][j: j + 1], top[1][j: j + 1]))
+
+
+def top_logits(logits: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits per row, as soft targets for distillation (DistillSpec, arXiv 2310.08461, trains on
+    the target's distribution rather than its argmax alone).
+
+    Args:
+        logits: float32 ``[rows, vocab]`` from the target graph.
+        k: how many to keep, 1 <= k <= vocab.
+    Returns:
+        ``(values, ids)``: float16 ``[rows, k]`` and int32 ``[rows, k]``, values in descending order.
+    """
+    v, i = torch.from_numpy(np.ascontiguousarray(logits, np.float32)).topk(k, dim=-1)
+    return v.to(torch.float16), i.to(torch.int32)
 
 
 def _record(row: dict) -> dict:
-    return {"ids": torch.tensor(row["ids"], dtype=torch.int32), "labels": torch.tensor(row["labels"], dtype=torch.int32),
-            "taps": torch.cat(row["taps"]), "prompt_len": row["prompt_len"]}
+    rec = {"ids": torch.tensor(row["ids"], dtype=torch.int32),
+           "labels": torch.tensor(row["labels"], dtype=torch.int32), "taps": torch.cat(row["taps"]),
+           "prompt_len": row["prompt_len"]}
+    if row.get("top"):
+        rec["top_logits"] = torch.cat([t[0] for t in row["top"]])
+        rec["top_ids"] = torch.cat([t[1] for t in row["top"]])
+    return rec
 
 
 def write_token_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int], sources: list[str],
@@ -209,9 +236,10 @@ def cli():
 @click.option("--doc-frac", default=0.35, show_default=True, help="fraction of items that are document continuations")
 @click.option("--seq-len", default=1280, show_default=True, help="longest sequence (prompt + reply)")
 @click.option("--new-tokens", default=256, show_default=True, help="most tokens generated per turn")
+@click.option("--topk", default=32, show_default=True, help="target logits kept per position (0: labels only)")
 @click.option("--threads", default=2)
 def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slots: int, seed: int, doc_frac: float,
-             seq_len: int, new_tokens: int, threads: int):
+             seq_len: int, new_tokens: int, topk: int, threads: int):
     """Greedy-decode training items with the served target; append token and feature shards (resumable)."""
     target, tok = load_served_target(engine_dir, threads)
     eos = tok.eos_token_id
@@ -224,7 +252,7 @@ def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slo
     done = {i for s in man["shards"] if s["settings"] == settings for i in s["items"]}
     items = [it for it in work_items(seed, doc_frac, tok, seq_len, new_tokens) if it["id"] not in done]
     print(f"{len(items)} items to go ({len(done)} done for these settings)", flush=True)
-    dec = BatchDecoder(target, slots, seq_len + 8)
+    dec = BatchDecoder(target, slots, seq_len + 8, topk)
     queue = list(reversed(items))
     finished: list[tuple[dict, dict]] = []  # (item, row)
     shard = len(man["shards"])
@@ -298,8 +326,9 @@ def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slo
 @click.option("--corpus", default=DEFAULT_CORPUS, type=click.Path(exists=True, path_type=Path), show_default=True)
 @click.option("--features", "feat_dir", default=Path("runs/distill/data"), type=click.Path(path_type=Path),
               show_default=True)
+@click.option("--topk", default=32, show_default=True, help="target logits kept per position (0: labels only)")
 @click.option("--threads", default=2)
-def features(engine_dir: Path, corpus: Path, feat_dir: Path, threads: int):
+def features(engine_dir: Path, corpus: Path, feat_dir: Path, topk: int, threads: int):
     """Recompute feature shards from the token shards: one teacher-forced target pass per sequence (skips shards
     whose features exist)."""
     target, _ = load_served_target(engine_dir, threads)
@@ -313,15 +342,16 @@ def features(engine_dir: Path, corpus: Path, feat_dir: Path, threads: int):
         recs = []
         for s, pl in zip(seqs, plens):
             cache = target.new_cache()
-            ids, labels, taps = s[:-1], [], []
+            ids, row = s[:-1], {"labels": [], "taps": [], "top": [], "prompt_len": pl}
+            row["ids"] = ids
             for i in range(0, len(ids), target.prefill_chunk):
                 lg, tp = target.forward([cache], [ids[i:i + target.prefill_chunk]])
                 n = len(ids[i:i + target.prefill_chunk])
-                labels += lg[0, :n].argmax(-1).tolist()
-                taps.append(torch.from_numpy(tp[0, :n]).to(torch.bfloat16))
-            recs.append({"ids": torch.tensor(ids, dtype=torch.int32),
-                         "labels": torch.tensor(labels, dtype=torch.int32), "taps": torch.cat(taps),
-                         "prompt_len": pl})
+                row["labels"] += lg[0, :n].argmax(-1).tolist()
+                row["taps"].append(torch.from_numpy(tp[0, :n]).to(torch.bfloat16))
+                if topk:
+                    row["top"].append(top_logits(lg[0, :n], topk))
+            recs.append(_record(row))
         tmp = feat_dir / f".{out.name}.tmp"
         torch.save({"kind": "distill-int4", "seq_len": max(len(s) for s in seqs), "records": recs}, tmp)
         tmp.replace(out)

@@ -271,7 +271,8 @@ def block_hidden(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torc
 
 
 def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor,
-               label_map: torch.Tensor | None = None, slot_decay: float = 4.0):
+               label_map: torch.Tensor | None = None, slot_decay: float = 4.0, kd: float = 0.0,
+               kd_temp: float = 1.0):
     """Weighted CE and per-slot correctness for the blocks of one sequence at ``anchors`` [A].
 
     ``lm_head`` is ``[V, hidden]`` in the compute dtype (scripts/train_common.py): the target's whole LM head, or
@@ -279,6 +280,12 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     maps a target token id to its row (-1 for ids outside the draft vocabulary: those slots carry no loss and count
     as wrong, as at inference, where the drafter cannot propose them). Slot j (1..B-1) is weighted
     exp(-(j-1)/slot_decay).
+
+    ``kd`` in [0, 1] mixes in soft targets where ``rec`` holds the target's top logits (``top_ids`` int32 [S, K],
+    ``top_logits`` fp16 [S, K], scripts/distill.py): per slot, ``(1 - kd) * CE(argmax label) + kd * kd_temp**2 *
+    CE(softmax(top_logits / kd_temp) over the top ids the draft vocabulary holds, renormalised; the drafter's
+    log_softmax(logits / kd_temp))``, the forward-KL distillation of DistillSpec (arXiv 2310.08461) truncated to
+    the target's top K. Records without top logits train on the labels alone.
     Returns (loss scalar, correct bool [A, B-1], valid bool [A, B-1]).
     """
     labels = rec["labels"].long()
@@ -295,9 +302,36 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
         tgt = tgt.clamp(min=0)
     logits = (h.to(lm_head.dtype) @ lm_head.T).float()  # [A, B-1, V]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view_as(tgt)
+    if kd > 0 and "top_ids" in rec:
+        ce = (1 - kd) * ce + kd * kd_temp ** 2 * soft_ce(logits, rec, tgt_pos.clamp(max=seq_len - 1), label_map,
+                                                         kd_temp)
     w = torch.exp(-(offs[1:].float() - 1) / slot_decay)[None].expand_as(ce) * (valid & in_vocab)
     correct = (logits.argmax(-1) == tgt) & valid & in_vocab
     return (ce * w).sum() / w.sum().clamp(min=1e-6), correct, valid
+
+
+def soft_ce(logits: torch.Tensor, rec: dict, pos: torch.Tensor, label_map: torch.Tensor | None,
+            temp: float) -> torch.Tensor:
+    """Cross-entropy of the drafter against the target's truncated distribution, per slot.
+
+    Args:
+        logits: drafter logits float32 ``[A, B-1, V]`` (V: the draft vocabulary's rows when ``label_map`` is given).
+        rec: a feature record with ``top_ids`` int32 ``[S, K]`` and ``top_logits`` fp16 ``[S, K]``.
+        pos: int64 ``[A, B-1]``, the sequence position whose target distribution each slot learns.
+        label_map: int64 ``[vocab_size]`` target id -> draft row (-1 outside), or None.
+        temp: softmax temperature applied to both sides.
+    Returns:
+        float32 ``[A, B-1]``: ``-sum_k p_k log q(id_k)`` over the top ids the draft vocabulary holds (p renormalised
+        over them; a slot whose top K all fall outside gets 0).
+    """
+    ids = rec["top_ids"][pos].long()  # [A, B-1, K]
+    tl = rec["top_logits"][pos].float() / temp
+    if label_map is not None:
+        ids = label_map[ids]
+    keep = ids >= 0
+    p = torch.softmax(tl.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+    logq = torch.log_softmax(logits / temp, -1).gather(-1, ids.clamp(min=0))
+    return -(p * logq).sum(-1)
 
 
 def load_shards(work: Path, val_every: int = 40) -> tuple[list[dict], list[dict]]:
@@ -354,10 +388,15 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
               help="fraction of each sequence's anchors taken from the rounds the draft-verify loop would make with "
                    "the current weights (walk_rounds over WALK_SPAN generated positions from a random start): the "
                    "positions after a rejection, where the loop drafts, not uniform ones; the rest as --gen-anchors")
+@click.option("--kd", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="weight of the soft-target term (the target's top logits stored by scripts/distill.py) against "
+                   "the argmax labels (block_loss); records without top logits use the labels alone")
+@click.option("--kd-temp", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="softmax temperature of the soft-target term")
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
           threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None,
           sliding_window: int | None, full_layers: int, gen_anchors: float, walk_anchors: float,
-          tables_from: Path | None):
+          tables_from: Path | None, kd: float, kd_temp: float):
     """Train (or resume) the drafter on all shards under --work for --minutes of wall time.
 
     The drafter's ``sharpdraft_query_scale.ref_keys`` is set to the longest training sequence (its training
@@ -400,7 +439,7 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         "at_step": state["step"], "minutes": minutes, "lr": lr, "seqs_per_step": seqs_per_step, "anchors": anchors,
         "draft_vocab": str(draft_vocab_path) if draft_vocab_path else None, "slot_decay": slot_decay,
         "gen_anchors": gen_anchors, "walk_anchors": walk_anchors,
-        "tables_from": str(tables_from) if tables_from else None})
+        "tables_from": str(tables_from) if tables_from else None, "kd": kd, "kd_temp": kd_temp})
     train_recs, val_recs = load_shards(work)
     if not train_recs or not val_recs:
         raise click.UsageError(f"{work / 'data'} holds {len(train_recs)} training and {len(val_recs)} validation "
@@ -441,7 +480,7 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
                     must = must[: round(anchors * walk_anchors)]
             a = sample_anchors(rng, rec, anchors, gen_anchors, must=must)
             with cpu_autocast():
-                loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **loss_kw)
+                loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **loss_kw, kd=kd, kd_temp=kd_temp)
             (loss / seqs_per_step).backward()
             tot_loss += loss.item() / seqs_per_step
             acc.append(accept_len(correct).float().mean().item())

@@ -71,7 +71,7 @@ def test_batched_greedy_equals_the_runtime_target_only(tiny_int4_engines, monkey
 
     engine = SpecEngine.from_dir(tiny_int4_engines)
     prompts = [[5, 17, 300, 4000, 12, 9], [88] * 3 + [1000, 2000], list(range(200, 223))]
-    dec = BatchDecoder(engine.target, slots=4, capacity=64)  # one slot stays empty
+    dec = BatchDecoder(engine.target, slots=4, capacity=64, topk=8)  # one slot stays empty
     for s, p in enumerate(prompts):
         dec.prefill(s, {}, p)
     for _ in range(12):
@@ -80,6 +80,11 @@ def test_batched_greedy_equals_the_runtime_target_only(tiny_int4_engines, monkey
         row = dec.rows[s]
         assert row["ids"][: len(p)] == p and len(row["ids"]) == len(p) + 12 == len(row["labels"])
         assert torch.cat(row["taps"]).shape[0] == len(p) + 12
+        top_v = torch.cat([t[0] for t in row["top"]])
+        top_i = torch.cat([t[1] for t in row["top"]])
+        assert top_v.shape == top_i.shape == (len(p) + 12, 8) and top_v.dtype == torch.float16
+        assert top_i[:, 0].tolist() == row["labels"]  # the largest logit is the label, position by position
+        assert (top_v[:, :-1] >= top_v[:, 1:]).all()
         ref = engine.generate_target_only(p, 13).token_ids
         assert row["labels"][len(p) - 1:] == ref, s
 
@@ -108,6 +113,9 @@ def test_generate_then_features_recomputed_from_tokens(tiny_int4_engines, tmp_pa
             assert ra["labels"][-1].item() == seq[-1]  # the last generated token is the last position's label
             assert ra["labels"][pl - 1:-1].tolist() == seq[pl:-1]  # generated tokens are the greedy labels
             assert ra["taps"].shape == rb["taps"].shape
+            assert ra["top_ids"].shape == rb["top_ids"].shape == (len(seq) - 1, 32)
+            assert ra["top_ids"][:, 0].tolist() == ra["labels"].tolist()
+            assert rb["top_ids"][:, 0].tolist() == rb["labels"].tolist()
             scale = ra["taps"].float().abs().max()
             assert (ra["taps"].float() - rb["taps"].float()).abs().max() <= 0.05 * scale
             agree = (ra["labels"] == rb["labels"]).float().mean().item()

@@ -10,7 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from runtime.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from scripts.train_dflash import BLOCK, accept_len, block_hidden, block_loss, dense_mask  # noqa: E402
+from scripts.train_dflash import (BLOCK, accept_len, block_hidden, block_loss, dense_mask,  # noqa: E402
+                                  soft_ce)
 
 VOCAB, HIDDEN, SEQ = 97, 32, 40
 
@@ -315,3 +316,52 @@ def test_tables_from_a_folder_that_is_not_an_engine_is_a_usage_error(tmp_path):
 
     with pytest.raises(click.UsageError, match="--tables-from"):
         engine_tables(tmp_path, torch.Size([VOCAB, HIDDEN]))
+
+
+def _with_top(rec: dict, k: int, seed: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(SEQ, VOCAB, generator=g) * 3
+    v, i = logits.topk(k, -1)
+    return {**rec, "labels": i[:, 0].to(torch.int32), "top_logits": v.to(torch.float16), "top_ids": i.to(torch.int32)}
+
+
+def test_soft_targets_against_a_hand_computation():
+    d, rec = _drafter(), _with_top(_record(), k=VOCAB)
+    embed, lm_head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    anchors = torch.tensor([2, 9, 30])
+    with torch.no_grad():
+        hard, correct, valid = block_loss(d, rec, anchors, embed, lm_head, slot_decay=2.0)
+        assert torch.equal(block_loss(d, rec, anchors, embed, lm_head, slot_decay=2.0, kd=0.0)[0], hard)
+        soft, correct_s, _ = block_loss(d, rec, anchors, embed, lm_head, slot_decay=2.0, kd=1.0, kd_temp=2.0)
+        assert torch.equal(correct, correct_s)  # correctness stays the argmax label's
+        # the whole vocabulary kept: soft CE = KL(p || q) + H(p) with p the target's full softmax at temperature 2
+        h = block_hidden(d, rec, anchors, embed)[:, 1:]
+        logits = h @ lm_head.T
+        pos = (anchors[:, None] + torch.arange(1, BLOCK) - 1).clamp(max=SEQ - 1)
+        full = torch.zeros(SEQ, VOCAB).scatter(-1, rec["top_ids"].long(), rec["top_logits"].float())
+        p = torch.softmax(full[pos] / 2.0, -1)
+        ref = -(p * torch.log_softmax(logits / 2.0, -1)).sum(-1)
+        torch.testing.assert_close(soft_ce(logits, rec, pos, None, 2.0), ref, rtol=1e-4, atol=1e-4)
+        w = torch.exp(-(torch.arange(1, BLOCK).float() - 1) / 2.0)[None].expand_as(ref) * valid
+        torch.testing.assert_close(soft, (4.0 * ref * w).sum() / w.sum(), rtol=1e-4, atol=1e-4)
+    # without stored top logits the term is skipped (older feature shards train as before)
+    plain = {k: v for k, v in rec.items() if not k.startswith("top_")}
+    with torch.no_grad():
+        torch.testing.assert_close(block_loss(d, plain, anchors, embed, lm_head, slot_decay=2.0, kd=1.0)[0], hard)
+
+
+def test_soft_targets_renormalise_over_the_draft_vocabulary():
+    rec = _with_top(_record(), k=6)
+    pos = torch.tensor([[0, 1], [2, 3]])
+    keep = rec["top_ids"][0, [0, 2, 3]].long()  # a draft vocabulary holding 3 of position 0's top 6 (not #2, #5, #6)
+    label_map = torch.full((VOCAB,), -1, dtype=torch.long)
+    label_map[keep] = torch.arange(3)
+    logits = torch.randn(2, 2, 3, requires_grad=True)
+    out = soft_ce(logits, rec, pos, label_map, 1.0)
+    p = torch.softmax(rec["top_logits"][0, [0, 2, 3]].float(), -1)
+    torch.testing.assert_close(out[0, 0], -(p * torch.log_softmax(logits[0, 0], -1)).sum())
+    # a slot none of whose top ids is in the draft vocabulary contributes 0 (and no NaN gradient)
+    none_map = torch.full((VOCAB,), -1, dtype=torch.long)
+    out = soft_ce(logits, rec, pos, none_map, 1.0)
+    out.sum().backward()
+    assert out.eq(0).all() and torch.isfinite(logits.grad).all()
