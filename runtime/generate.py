@@ -3,7 +3,9 @@
     python -m runtime.generate --engine engines/ --prompt "Write a Python function that ..." --max-new-tokens 128
 
 Prints the text, mean accepted length (MAL), tokens/s of both runs and the speedup, and checks that the
-speculative token ids equal the target-only greedy ids (lossless). Exit code 3 if they differ. Then runs the same
+speculative token ids equal the target-only greedy ids (lossless). Exit code 3 if they differ. Each configuration
+runs ``--repeats`` times in rotated order and the median run by tokens/s is reported (a 2-core machine's timing of
+one run swings by +-15%). Then runs the same
 prompt sampled (``--temperature``, default 0.8; 0 skips it) and reports its MAL beside the greedy MAL.
 """
 from __future__ import annotations
@@ -37,6 +39,9 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
                    "model's 1e-6 tail tokens are drawn now and then and derail the text)")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=-1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="timed runs per configuration, in rotated order; the median run by tokens/s is reported "
+                   "(1 with --online-adapt, whose drafter changes as it runs)")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="also write the figures as JSON")
 @click.option("--online-adapt", type=click.Choice(["lora", "full"]), default=None,
               help="torch backend: adapt the drafter online to the target's verified tokens (runtime/online_adapt.py)")
@@ -49,8 +54,8 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
     "instead of the drafter's guess (runtime/prompt_lookup.py); 'off' for the drafter alone",
     default=PROMPT_LOOKUP_DEFAULT)
 @draft_confidence_option(DEFAULT_CONFIDENCE)
-def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, json_out,
-         online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup, draft_confidence):
+def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, repeats,
+         json_out, online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup, draft_confidence):
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
     from runtime.sampling import SamplingParams
@@ -68,15 +73,20 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
         ids = tok.encode(prompt) if raw else tok.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
         engine.generate(ids[:8] or [0], 4)  # warm-up: first runs allocate
-        base = engine.generate_target_only(ids, max_new_tokens)
-        spec = engine.generate(ids, max_new_tokens)
-        plain = None
-        if getattr(engine.target, "min_q", 1) > 1:  # int8-activation target: also time its plain 1-token steps
+
+        def one_token_steps():  # int8-activation target: its plain 1-token steps, as ORT GenAI decodes
             saved, engine.target.min_q = engine.target.min_q, 1
             try:
-                plain = engine.generate_target_only(ids, max_new_tokens)
+                return engine.generate_target_only(ids, max_new_tokens)
             finally:
                 engine.target.min_q = saved
+
+        runs = {"base": lambda: engine.generate_target_only(ids, max_new_tokens),
+                "spec": lambda: engine.generate(ids, max_new_tokens)}
+        if getattr(engine.target, "min_q", 1) > 1:
+            runs["plain"] = one_token_steps
+        timed = rotated_runs(runs, 1 if adapter is not None else repeats)
+        base, spec, plain = timed["base"], timed["spec"], timed.get("plain")
         sampled = None
         if temperature > 0:
             sampled = engine.generate(ids, params=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
@@ -84,6 +94,7 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     except (EngineDirError, ValueError, RuntimeError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
+    reps = len(timed["all"]["spec"])
     text = tok.decode(spec.token_ids, skip_special_tokens=True)
     s, b = spec.stats, base.stats
     speedup = s.tokens_per_s / b.tokens_per_s if b.tokens_per_s else 0.0
@@ -112,14 +123,16 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
                    f"docs/quantized-target.md): {plain.stats.tokens_per_s:.1f} tokens/s")
     click.echo(f"speedup over target-only: {speedup:.2f}x" + (
         f" (over its 1-token steps: {s.tokens_per_s / plain.stats.tokens_per_s:.2f}x)"
-        if plain is not None and plain.stats.tokens_per_s else ""))
+        if plain is not None and plain.stats.tokens_per_s else "") + (
+        f"; median of {reps} rotated runs each (speculative {_spread(timed['all']['spec'])}, target-only "
+        f"{_spread(timed['all']['base'])} tokens/s)" if reps > 1 else ""))
     if adapter is not None:
         click.echo(f"online adaptation: {json.dumps(adapter.stats())}")
     if s.rounds >= 4 and s.mean_accepted_length < 1.05:
         click.echo("note: the target accepted (almost) no draft token, so speculation only costs time here. The "
                    "drafter does not predict this target: check it was trained for this target and tokenizer "
                    "(docs/drafter-quality.md says how the shipped drafters were trained and measured)")
-    lossless = spec.token_ids == base.token_ids
+    lossless = all(r.token_ids == base.token_ids for r in timed["all"]["spec"] + timed["all"]["base"])
     click.echo(f"lossless (speculative ids == target-only greedy ids): {lossless}")
     if sampled is not None:
         ss = sampled.stats
@@ -130,12 +143,41 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     if json_out:
         json_out.write_text(json.dumps({"prompt_tokens": len(ids), "speculative": s.to_dict(),
                                         "target_only": b.to_dict(), "speedup": speedup, "lossless": lossless,
+                                        "repeats": reps, "tokens_per_s_runs": {
+                                            k: [r.stats.tokens_per_s for r in v] for k, v in timed["all"].items()},
                                         "target_only_one_token_steps": None if plain is None else plain.stats.to_dict(),
                                         "sampled": None if sampled is None else {
                                             "temperature": temperature, "top_p": top_p, "top_k": top_k,
                                             "seed": seed, **sampled.stats.to_dict()}}, indent=1))
     if not lossless:
         sys.exit(3)
+
+
+
+def rotated_runs(runs: dict, repeats: int) -> dict:
+    """Run each configuration ``repeats`` times, rotating which goes first each time (base, spec, plain; spec,
+    plain, base; ...), so drift of a shared machine falls on all alike.
+
+    Args:
+        runs: name -> zero-argument callable returning a result with ``stats.tokens_per_s``.
+        repeats: runs per configuration, >= 1.
+    Returns:
+        name -> the median run by tokens/s (the lower middle one for even ``repeats``), plus ``"all"``: name ->
+        every run in the order made.
+    """
+    names = list(runs)
+    done = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            done[n].append(runs[n]())
+    out = {n: sorted(v, key=lambda x: x.stats.tokens_per_s)[(len(v) - 1) // 2] for n, v in done.items()}
+    out["all"] = done
+    return out
+
+
+def _spread(results: list) -> str:
+    v = sorted(r.stats.tokens_per_s for r in results)
+    return f"{v[0]:.1f}-{v[-1]:.1f}"
 
 
 if __name__ == "__main__":

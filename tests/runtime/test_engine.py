@@ -265,3 +265,25 @@ def test_query_scale_off_request_runs_lossless(engine):
     ids = engine.tokenizer.encode(PROMPTS[2])
     out = engine.generate(ids, params=SamplingParams(max_new_tokens=20, query_scale=False))
     assert out.token_ids == engine.generate_target_only(ids, 20).token_ids
+
+
+def test_generate_rotates_configurations_and_reports_the_median_run():
+    from types import SimpleNamespace
+
+    from runtime.generate import rotated_runs
+
+    order, speeds = [], {"base": iter([10.0, 30.0, 20.0]), "spec": iter([5.0, 7.0, 6.0]), "plain": iter([1.0] * 3)}
+
+    def run(name):
+        def go():
+            order.append(name)
+            return SimpleNamespace(name=name, stats=SimpleNamespace(tokens_per_s=next(speeds[name])))
+        return go
+
+    out = rotated_runs({n: run(n) for n in ("base", "spec", "plain")}, 3)
+    assert order == ["base", "spec", "plain", "spec", "plain", "base", "plain", "base", "spec"]
+    assert out["base"].stats.tokens_per_s == 20.0 and out["spec"].stats.tokens_per_s == 6.0
+    assert [r.stats.tokens_per_s for r in out["all"]["base"]] == [10.0, 30.0, 20.0]
+    speeds["base"] = iter([4.0, 2.0])
+    two = rotated_runs({"base": run("base")}, 2)  # even count: the lower middle run
+    assert two["base"].stats.tokens_per_s == 2.0 and len(two["all"]["base"]) == 2
