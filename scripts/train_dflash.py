@@ -623,11 +623,37 @@ def training_profile(query_scale: dict | None, train_len: int) -> dict:
     return {**QueryScaleProfile().to_dict(), **(query_scale or {}), "ref_keys": int(train_len)}
 
 
+P1_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)  # buckets of the target's top-1 probability (confidence_counts)
+
+
+def confidence_counts(rec: dict, anchors: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Draft slots bucketed by how sure the target was of the label they had to guess.
+
+    Args:
+        rec: a feature record with ``top_logits`` fp16 ``[S, K]`` (scripts/distill.py).
+        anchors: int64 ``[A]``; ``correct``, ``valid``: bool ``[A, B-1]`` from :func:`block_loss`.
+    Returns:
+        float64 ``[len(P1_EDGES) - 1, 2]``: per bucket of the target's top-1 probability at the slot's label
+        position (softmax over the stored top K, so slightly above the full softmax), (slots, correct slots).
+    """
+    pos = (anchors[:, None] + torch.arange(1, BLOCK) - 1).clamp(max=rec["top_logits"].shape[0] - 1)
+    p1 = torch.softmax(rec["top_logits"].float(), -1)[:, 0][pos]
+    bucket = torch.bucketize(p1, torch.tensor(P1_EDGES[1:-1]), right=True)
+    out = torch.zeros(len(P1_EDGES) - 1, 2, dtype=torch.float64)
+    out[:, 0].index_add_(0, bucket[valid], torch.ones(int(valid.sum()), dtype=torch.float64))
+    out[:, 1].index_add_(0, bucket[valid], correct[valid].double())
+    return out
+
+
 @torch.no_grad()
 def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
+    """Validation figures of drafter ``d`` on ``val_recs``: hard-label loss, proxy MALs over uniform and generated
+    anchors, the replayed loop MAL (``val_walk_mal``, :func:`walk_rounds`) and, where records hold the target's
+    top logits, ``val_acc_by_target_p1``: {bucket: [share of slots, slot accuracy]} (:func:`confidence_counts`)."""
     d.eval()
     rng = random.Random(1)
     losses, lens, slot_acc, gen_lens, walk = [], [], [], [], []
+    by_p1 = torch.zeros(len(P1_EDGES) - 1, 2, dtype=torch.float64)
     for rec in val_recs:
         a = sample_anchors(rng, rec, 32)
         with cpu_autocast():
@@ -638,8 +664,10 @@ def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
         a = sample_anchors(rng, rec, 32, generated_only=True)
         if a is not None:  # blocks where the drafter drafts at inference: after the prompt
             with cpu_autocast():
-                _, correct, _ = block_loss(d, rec, a, embed, lm_head, **(loss_kw or {}))
+                _, correct, valid_g = block_loss(d, rec, a, embed, lm_head, **(loss_kw or {}))
             gen_lens.append(accept_len(correct).float().mean().item())
+            if "top_logits" in rec:
+                by_p1 += confidence_counts(rec, a, correct, valid_g)
             walk += walk_rounds(d, rec, embed, lm_head, loss_kw, generated_range(rec).start, VAL_WALK_SPAN)[1]
     out = {"val_loss": sum(losses) / len(losses), "val_proxy_mal": sum(lens) / len(lens),
            "val_slot_acc": [round(x, 3) for x in torch.stack(slot_acc).mean(0).tolist()]}
@@ -647,6 +675,10 @@ def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
         out["val_gen_proxy_mal"] = sum(gen_lens) / len(gen_lens)
     if walk:  # the loop's own MAL on the first VAL_WALK_SPAN generated positions of each reply (walk_rounds)
         out["val_walk_mal"] = sum(walk) / len(walk)
+    if by_p1[:, 0].sum() > 0:
+        out["val_acc_by_target_p1"] = {
+            f"{lo:.1f}-{min(hi, 1.0):.1f}": [round(float(n / by_p1[:, 0].sum()), 3), round(float(c / max(n, 1)), 3)]
+            for (lo, hi), (n, c) in zip(zip(P1_EDGES[:-1], P1_EDGES[1:]), by_p1.tolist())}
     return out
 
 

@@ -10,8 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from runtime.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from scripts.train_dflash import (BLOCK, accept_len, block_hidden, block_loss, dense_mask,  # noqa: E402
-                                  soft_ce)
+from scripts.train_dflash import (BLOCK, P1_EDGES, accept_len, block_hidden, block_loss,  # noqa: E402
+                                  confidence_counts, dense_mask, soft_ce)
 
 VOCAB, HIDDEN, SEQ = 97, 32, 40
 
@@ -365,3 +365,22 @@ def test_soft_targets_renormalise_over_the_draft_vocabulary():
     out = soft_ce(logits, rec, pos, none_map, 1.0)
     out.sum().backward()
     assert out.eq(0).all() and torch.isfinite(logits.grad).all()
+
+
+def test_confidence_counts_buckets_slots_by_the_targets_top1_probability():
+    rec = _with_top(_record(), k=4)
+    # position 5: top-1 probability 0.95 (bucket 0.9-1.0); position 6: 0.4 (bucket 0.3-0.5); the rest 0.25
+    rec["top_logits"] = torch.zeros(SEQ, 4, dtype=torch.float16)
+    rec["top_logits"][5] = torch.tensor([0.0, -4.0, -4.0, -4.0]).log_softmax(-1).half()
+    rec["top_logits"][5, 0] = torch.tensor(0.95).log().half()
+    rec["top_logits"][5, 1:] = torch.tensor(0.05 / 3).log().half()
+    rec["top_logits"][6] = torch.tensor([0.4, 0.2, 0.2, 0.2]).log().half()
+    anchors = torch.tensor([5])  # slot j guesses the label at 5 + j - 1: positions 5 .. 5 + B - 2
+    correct = torch.zeros(1, BLOCK - 1, dtype=torch.bool)
+    correct[0, 0] = True  # the sure position was guessed, the others not
+    valid = torch.ones_like(correct)
+    valid[0, -1] = False
+    out = confidence_counts(rec, anchors, correct, valid)
+    assert out.shape == (len(P1_EDGES) - 1, 2)
+    assert out[-1].tolist() == [1.0, 1.0] and out[1].tolist() == [1.0, 0.0]
+    assert out[0].tolist() == [BLOCK - 4.0, 0.0] and out[:, 0].sum() == BLOCK - 2
