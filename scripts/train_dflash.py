@@ -633,16 +633,18 @@ def confidence_counts(rec: dict, anchors: torch.Tensor, correct: torch.Tensor, v
         rec: a feature record with ``top_logits`` fp16 ``[S, K]`` (scripts/distill.py).
         anchors: int64 ``[A]``; ``correct``, ``valid``: bool ``[A, B-1]`` from :func:`block_loss`.
     Returns:
-        float64 ``[len(P1_EDGES) - 1, 2]``: per bucket of the target's top-1 probability at the slot's label
-        position (softmax over the stored top K, so slightly above the full softmax), (slots, correct slots).
+        float64 ``[B - 1, len(P1_EDGES) - 1, 2]``: per draft slot and bucket of the target's top-1 probability at
+        the slot's label position (softmax over the stored top K, so slightly above the full softmax), (slots,
+        correct slots).
     """
     pos = (anchors[:, None] + torch.arange(1, BLOCK) - 1).clamp(max=rec["top_logits"].shape[0] - 1)
     p1 = torch.softmax(rec["top_logits"].float(), -1)[:, 0][pos]
-    bucket = torch.bucketize(p1, torch.tensor(P1_EDGES[1:-1]), right=True)
-    out = torch.zeros(len(P1_EDGES) - 1, 2, dtype=torch.float64)
-    out[:, 0].index_add_(0, bucket[valid], torch.ones(int(valid.sum()), dtype=torch.float64))
-    out[:, 1].index_add_(0, bucket[valid], correct[valid].double())
-    return out
+    nb = len(P1_EDGES) - 1
+    cell = (torch.arange(BLOCK - 1)[None] * nb + torch.bucketize(p1, torch.tensor(P1_EDGES[1:-1]), right=True))
+    out = torch.zeros((BLOCK - 1) * nb, 2, dtype=torch.float64)
+    out[:, 0].index_add_(0, cell[valid], torch.ones(int(valid.sum()), dtype=torch.float64))
+    out[:, 1].index_add_(0, cell[valid], correct[valid].double())
+    return out.view(BLOCK - 1, nb, 2)
 
 
 @torch.no_grad()
@@ -653,7 +655,7 @@ def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
     d.eval()
     rng = random.Random(1)
     losses, lens, slot_acc, gen_lens, walk = [], [], [], [], []
-    by_p1 = torch.zeros(len(P1_EDGES) - 1, 2, dtype=torch.float64)
+    by_p1 = torch.zeros(BLOCK - 1, len(P1_EDGES) - 1, 2, dtype=torch.float64)
     for rec in val_recs:
         a = sample_anchors(rng, rec, 32)
         with cpu_autocast():
@@ -675,10 +677,12 @@ def validate(d, val_recs, embed, lm_head, loss_kw: dict | None = None) -> dict:
         out["val_gen_proxy_mal"] = sum(gen_lens) / len(gen_lens)
     if walk:  # the loop's own MAL on the first VAL_WALK_SPAN generated positions of each reply (walk_rounds)
         out["val_walk_mal"] = sum(walk) / len(walk)
-    if by_p1[:, 0].sum() > 0:
-        out["val_acc_by_target_p1"] = {
-            f"{lo:.1f}-{min(hi, 1.0):.1f}": [round(float(n / by_p1[:, 0].sum()), 3), round(float(c / max(n, 1)), 3)]
-            for (lo, hi), (n, c) in zip(zip(P1_EDGES[:-1], P1_EDGES[1:]), by_p1.tolist())}
+    if by_p1[..., 0].sum() > 0:
+        def table(t):  # {bucket: [share of slots, accuracy]}
+            return {f"{lo:.1f}-{min(hi, 1.0):.1f}": [round(float(n / t[:, 0].sum()), 3), round(float(c / max(n, 1)), 3)]
+                    for (lo, hi), (n, c) in zip(zip(P1_EDGES[:-1], P1_EDGES[1:]), t.tolist())}
+        out["val_acc_by_target_p1"] = {"slot 1": table(by_p1[0]), "slot 2": table(by_p1[1]),
+                                       "all slots": table(by_p1.sum(0))}
     return out
 
 

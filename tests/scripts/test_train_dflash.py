@@ -381,6 +381,7 @@ def test_confidence_counts_buckets_slots_by_the_targets_top1_probability():
     valid = torch.ones_like(correct)
     valid[0, -1] = False
     out = confidence_counts(rec, anchors, correct, valid)
-    assert out.shape == (len(P1_EDGES) - 1, 2)
-    assert out[-1].tolist() == [1.0, 1.0] and out[1].tolist() == [1.0, 0.0]
-    assert out[0].tolist() == [BLOCK - 4.0, 0.0] and out[:, 0].sum() == BLOCK - 2
+    assert out.shape == (BLOCK - 1, len(P1_EDGES) - 1, 2)
+    assert out[0, -1].tolist() == [1.0, 1.0] and out[1, 1].tolist() == [1.0, 0.0]  # slot 1 at 5, slot 2 at 6
+    assert out[2:-1, 0].tolist() == [[1.0, 0.0]] * (BLOCK - 4) and not out[-1].any()  # the invalid last slot
+    assert out[..., 0].sum() == BLOCK - 2 and out[..., 1].sum() == 1
