@@ -153,7 +153,6 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
         sys.exit(3)
 
 
-
 def rotated_runs(runs: dict, repeats: int) -> dict:
     """Run each configuration ``repeats`` times, rotating which goes first each time (base, spec, plain; spec,
     plain, base; ...), so drift of a shared machine falls on all alike.

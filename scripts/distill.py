@@ -342,8 +342,8 @@ def features(engine_dir: Path, corpus: Path, feat_dir: Path, topk: int, threads:
         recs = []
         for s, pl in zip(seqs, plens):
             cache = target.new_cache()
-            ids, row = s[:-1], {"labels": [], "taps": [], "top": [], "prompt_len": pl}
-            row["ids"] = ids
+            ids = s[:-1]
+            row = {"ids": ids, "labels": [], "taps": [], "top": [], "prompt_len": pl}
             for i in range(0, len(ids), target.prefill_chunk):
                 lg, tp = target.forward([cache], [ids[i:i + target.prefill_chunk]])
                 n = len(ids[i:i + target.prefill_chunk])

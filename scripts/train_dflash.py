@@ -292,7 +292,7 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     seq_len = labels.numel()
     offs = torch.arange(BLOCK)
     h = block_hidden(d, rec, anchors, embed)[:, 1:]  # slots 1..B-1
-    tgt_pos = anchors[:, None] + offs[1:] - 1  # label of slot j = target argmax at a+j-1
+    tgt_pos = slot_label_positions(anchors)
     valid = tgt_pos < seq_len
     tgt = labels[tgt_pos.clamp(max=seq_len - 1)]
     in_vocab = torch.ones_like(valid)
@@ -308,6 +308,12 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     w = torch.exp(-(offs[1:].float() - 1) / slot_decay)[None].expand_as(ce) * (valid & in_vocab)
     correct = (logits.argmax(-1) == tgt) & valid & in_vocab
     return (ce * w).sum() / w.sum().clamp(min=1e-6), correct, valid
+
+
+def slot_label_positions(anchors: torch.Tensor) -> torch.Tensor:
+    """int64 ``[A, B-1]``: the sequence position whose target argmax is draft slot j's label, a + j - 1 for the block
+    at anchor a (may run past the sequence's end; callers mask or clamp)."""
+    return anchors[:, None] + torch.arange(1, BLOCK) - 1
 
 
 def soft_ce(logits: torch.Tensor, rec: dict, pos: torch.Tensor, label_map: torch.Tensor | None,
@@ -637,8 +643,8 @@ def confidence_counts(rec: dict, anchors: torch.Tensor, correct: torch.Tensor, v
         the slot's label position (softmax over the stored top K, so slightly above the full softmax), (slots,
         correct slots).
     """
-    pos = (anchors[:, None] + torch.arange(1, BLOCK) - 1).clamp(max=rec["top_logits"].shape[0] - 1)
-    p1 = torch.softmax(rec["top_logits"].float(), -1)[:, 0][pos]
+    pos = slot_label_positions(anchors).clamp(max=rec["top_logits"].shape[0] - 1)
+    p1 = torch.softmax(rec["top_logits"][pos].float(), -1)[..., 0]
     nb = len(P1_EDGES) - 1
     cell = (torch.arange(BLOCK - 1)[None] * nb + torch.bucketize(p1, torch.tensor(P1_EDGES[1:-1]), right=True))
     out = torch.zeros((BLOCK - 1) * nb, 2, dtype=torch.float64)
