@@ -782,7 +782,7 @@ def draft_vocab(work: Path, size: int, out: Path):
         raise click.UsageError(f"no shards under {work / 'data'}; run the `data` step first")
     counts = None
     for f in shards:
-        for rec in torch.load(f)["records"]:
+        for rec in torch.load(f, mmap=True)["records"]:  # mmap: only the label pages are read
             c = np.bincount(rec["labels"].numpy().astype(np.int64), minlength=1)
             counts = c if counts is None else np.pad(counts, (0, max(0, c.size - counts.size)))
             counts[: c.size] += c
