@@ -780,12 +780,13 @@ def draft_vocab(work: Path, size: int, out: Path):
     shards = sorted((work / "data").glob("shard_*.pt"))
     if not shards:
         raise click.UsageError(f"no shards under {work / 'data'}; run the `data` step first")
-    counts = None
+    counts = np.zeros(0, np.int64)
     for f in shards:
         for rec in torch.load(f, mmap=True)["records"]:  # mmap: only the label pages are read
             c = np.bincount(rec["labels"].numpy().astype(np.int64), minlength=1)
-            counts = c if counts is None else np.pad(counts, (0, max(0, c.size - counts.size)))
+            counts = np.pad(counts, (0, max(0, c.size - counts.size)))
             counts[: c.size] += c
+    out.mkdir(parents=True, exist_ok=True)
     ids = write_draft_vocab(out / DRAFT_VOCAB_FILE, counts, size,
                             f"scripts/train_dflash.py draft-vocab --size {size}: the most frequent target argmax "
                             f"labels over {int(counts.sum())} training positions ({len(shards)} shards)")

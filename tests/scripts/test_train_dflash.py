@@ -385,3 +385,27 @@ def test_confidence_counts_buckets_slots_by_the_targets_top1_probability():
     assert out[0, -1].tolist() == [1.0, 1.0] and out[1, 1].tolist() == [1.0, 0.0]  # slot 1 at 5, slot 2 at 6
     assert out[2:-1, 0].tolist() == [[1.0, 0.0]] * (BLOCK - 4) and not out[-1].any()  # the invalid last slot
     assert out[..., 0].sum() == BLOCK - 2 and out[..., 1].sum() == 1
+
+
+def test_draft_vocab_command_keeps_the_most_frequent_labels(tmp_path):
+    """`draft-vocab` counts every record's labels over the shards (read through mmap) and writes the most frequent
+    ids first, ties by lower id, never an id that no label holds."""
+    import json
+
+    from click.testing import CliRunner
+
+    from scripts.train_dflash import cli
+
+    (tmp_path / "data").mkdir()
+    rec = lambda labels: {"ids": torch.tensor(labels), "labels": torch.tensor(labels), "prompt_len": 1}  # noqa: E731
+    torch.save({"records": [rec([5, 5, 5, 9]), rec([7, 7])]}, tmp_path / "data" / "shard_00000.pt")
+    torch.save({"records": [rec([9, 9, 3])]}, tmp_path / "data" / "shard_00001.pt")
+    res = CliRunner().invoke(cli, ["draft-vocab", "--work", str(tmp_path), "--size", "3", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    vocab = json.loads((tmp_path / "draft_vocab.json").read_text())
+    assert vocab["draft_ids"] == [5, 9, 7]  # 3 x 5, 3 x 9 (tie: lower id first), 2 x 7; 3 (once) left out
+    assert vocab["coverage_of_counts"] == pytest.approx(8 / 9)
+    out = tmp_path / "new" / "folder"  # made if missing
+    res = CliRunner().invoke(cli, ["draft-vocab", "--work", str(tmp_path), "--size", "10", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "draft_vocab.json").read_text())["draft_ids"] == [5, 9, 7, 3]
