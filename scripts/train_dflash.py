@@ -272,7 +272,7 @@ def block_hidden(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torc
 
 def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor,
                label_map: torch.Tensor | None = None, slot_decay: float = 4.0, kd: float = 0.0,
-               kd_temp: float = 1.0):
+               kd_temp: float = 1.0, chain_mask: bool = False):
     """Weighted CE and per-slot correctness for the blocks of one sequence at ``anchors`` [A].
 
     ``lm_head`` is ``[V, hidden]`` in the compute dtype (scripts/train_common.py): the target's whole LM head, or
@@ -286,6 +286,12 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     CE(softmax(top_logits / kd_temp) over the top ids the draft vocabulary holds, renormalised; the drafter's
     log_softmax(logits / kd_temp))``, the forward-KL distillation of DistillSpec (arXiv 2310.08461) truncated to
     the target's top K. Records without top logits train on the labels alone.
+
+    ``chain_mask``: drop the slots whose label does not follow the target's greedy chain from the anchor
+    (:func:`greedy_chain_mask`): slot j >= 2 keeps its loss only where ``ids[q + 1] == labels[q]`` for every q in
+    a .. a + j - 2, as at inference, where the block after a verified token is the target's own chain. Off, such
+    slots (in human-written prompt text: 25-40% of slots 2-7 under uniform anchors) train the drafter to guess the
+    target's next token after a text token it never sees.
     Returns (loss scalar, correct bool [A, B-1], valid bool [A, B-1]).
     """
     labels = rec["labels"].long()
@@ -294,6 +300,8 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     h = block_hidden(d, rec, anchors, embed)[:, 1:]  # slots 1..B-1
     tgt_pos = slot_label_positions(anchors)
     valid = tgt_pos < seq_len
+    if chain_mask:
+        valid = valid & greedy_chain_mask(rec["ids"], labels, anchors)
     tgt = labels[tgt_pos.clamp(max=seq_len - 1)]
     in_vocab = torch.ones_like(valid)
     if label_map is not None:
@@ -308,6 +316,27 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
     w = torch.exp(-(offs[1:].float() - 1) / slot_decay)[None].expand_as(ce) * (valid & in_vocab)
     correct = (logits.argmax(-1) == tgt) & valid & in_vocab
     return (ce * w).sum() / w.sum().clamp(min=1e-6), correct, valid
+
+
+def greedy_chain_mask(ids: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Bool ``[A, B-1]``: slot j of the block at anchor a follows the target's greedy chain.
+
+    ``ids`` [S] the sequence's tokens, ``labels`` [S] the target's argmax after each position (``labels[q]``
+    predicts ``ids[q + 1]``), ``anchors`` int64 [A]. Slot j's label is ``labels[a + j - 1]``; it is what the
+    draft-verify loop would accept only if the tokens between, ``ids[a + 1 .. a + j - 1]``, are the target's own
+    greedy tokens (``ids[q + 1] == labels[q]`` for q in a .. a + j - 2). Slot 1 always holds; positions past the
+    sequence's end count as breaks (those slots are invalid anyway).
+
+    Example: ids [5, 6, 7, 8], labels [6, 9, 8, 0], anchor 0 -> slot 1 True, slot 2 True (ids[1] == labels[0]),
+    slot 3 False (ids[2] = 7 != labels[1] = 9), and every later slot False.
+    """
+    seq_len = ids.numel()
+    ok = torch.zeros(seq_len + BLOCK, dtype=torch.long)
+    ok[: seq_len - 1] = (ids[1:].long() == labels[:-1].long()).long()
+    run = torch.cat([torch.zeros(1, dtype=torch.long), ok.cumsum(0)])  # run[q] = ok[:q].sum()
+    j = torch.arange(1, BLOCK)
+    breaks = run[anchors[:, None] + j - 1] - run[anchors[:, None]]  # ok[a .. a + j - 2].sum()
+    return breaks == (j - 1)
 
 
 def slot_label_positions(anchors: torch.Tensor) -> torch.Tensor:
@@ -399,10 +428,14 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
                    "the argmax labels (block_loss); records without top logits use the labels alone")
 @click.option("--kd-temp", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="softmax temperature of the soft-target term")
+@click.option("--chain-mask/--no-chain-mask", default=False, show_default=True,
+              help="train slot j >= 2 only where the tokens before its label are the target's own greedy chain "
+                   "(greedy_chain_mask): as at inference; off, human-written prompt text gives labels the drafter "
+                   "cannot see the cause of")
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
           threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None,
           sliding_window: int | None, full_layers: int, gen_anchors: float, walk_anchors: float,
-          tables_from: Path | None, kd: float, kd_temp: float):
+          tables_from: Path | None, kd: float, kd_temp: float, chain_mask: bool):
     """Train (or resume) the drafter on all shards under --work for --minutes of wall time.
 
     The drafter's ``sharpdraft_query_scale.ref_keys`` is set to the longest training sequence (its training
@@ -445,7 +478,8 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
         "at_step": state["step"], "minutes": minutes, "lr": lr, "seqs_per_step": seqs_per_step, "anchors": anchors,
         "draft_vocab": str(draft_vocab_path) if draft_vocab_path else None, "slot_decay": slot_decay,
         "gen_anchors": gen_anchors, "walk_anchors": walk_anchors,
-        "tables_from": str(tables_from) if tables_from else None, "kd": kd, "kd_temp": kd_temp})
+        "tables_from": str(tables_from) if tables_from else None, "kd": kd, "kd_temp": kd_temp,
+        "chain_mask": chain_mask})
     train_recs, val_recs = load_shards(work)
     if not train_recs or not val_recs:
         raise click.UsageError(f"{work / 'data'} holds {len(train_recs)} training and {len(val_recs)} validation "
@@ -486,7 +520,8 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
                     must = must[: round(anchors * walk_anchors)]
             a = sample_anchors(rng, rec, anchors, gen_anchors, must=must)
             with cpu_autocast():
-                loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **loss_kw, kd=kd, kd_temp=kd_temp)
+                loss, correct, valid = block_loss(d, rec, a, embed, lm_head, **loss_kw, kd=kd, kd_temp=kd_temp,
+                                                  chain_mask=chain_mask)
             (loss / seqs_per_step).backward()
             tot_loss += loss.item() / seqs_per_step
             acc.append(accept_len(correct).float().mean().item())

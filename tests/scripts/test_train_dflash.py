@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from runtime.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
 from scripts.train_dflash import (BLOCK, P1_EDGES, accept_len, block_hidden, block_loss,  # noqa: E402
-                                  confidence_counts, dense_mask, soft_ce)
+                                  confidence_counts, dense_mask, greedy_chain_mask, soft_ce)
 
 VOCAB, HIDDEN, SEQ = 97, 32, 40
 
@@ -113,6 +113,42 @@ def test_draft_vocab_loss():
     loss.backward()
     assert loss.item() == 0.0 and not correct.any()
     assert all(p.grad is None or not p.grad.any() for p in d.parameters())
+
+
+def test_greedy_chain_mask_hand_example_and_brute_force():
+    m = greedy_chain_mask(torch.tensor([5, 6, 7, 8]), torch.tensor([6, 9, 8, 0]), torch.tensor([0, 1, 2]))
+    assert m[:, :3].tolist() == [[True, True, False], [True, False, False], [True, True, False]]
+    assert not m[:, 3:].any()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 3, (SEQ,), generator=g)
+    labels = torch.cat([ids[1:], torch.zeros(1, dtype=torch.long)])
+    flip = torch.rand(SEQ, generator=g) < 0.3
+    labels[flip] = (labels[flip] + 1) % 3  # 30% of positions leave the greedy chain
+    anchors = torch.arange(1, SEQ - 1)
+    m = greedy_chain_mask(ids, labels, anchors)
+    for i, a in enumerate(anchors.tolist()):
+        for j in range(1, BLOCK):
+            want = all(q + 1 < SEQ and int(ids[q + 1]) == int(labels[q]) for q in range(a, a + j - 1))
+            assert bool(m[i, j - 1]) == want, (a, j)
+
+
+def test_chain_mask_drops_only_the_slots_off_the_greedy_chain():
+    d, rec = _drafter(), _record()
+    embed = torch.randn(VOCAB, HIDDEN)
+    lm_head = torch.randn(VOCAB, HIDDEN)
+    anchors = torch.tensor([2, 9, 30])
+    with torch.no_grad():
+        _, correct, valid = block_loss(d, rec, anchors, embed, lm_head, slot_decay=2.0)
+        _, correct_m, valid_m = block_loss(d, rec, anchors, embed, lm_head, slot_decay=2.0, chain_mask=True)
+        chain = greedy_chain_mask(rec["ids"], rec["labels"], anchors)
+        assert torch.equal(valid_m, valid & chain) and valid_m[:, 0].all() and not valid_m.all()
+        assert torch.equal(correct_m, correct & chain)
+        # a record whose ids are the target's greedy chain: the mask changes nothing
+        greedy = dict(rec, ids=torch.cat([rec["ids"][:1], rec["labels"][:-1]]))
+        plain = block_loss(d, greedy, anchors, embed, lm_head, slot_decay=2.0)
+        masked = block_loss(d, greedy, anchors, embed, lm_head, slot_decay=2.0, chain_mask=True)
+        torch.testing.assert_close(plain[0], masked[0])
+        assert torch.equal(plain[2], masked[2])
 
 
 @pytest.mark.parametrize("row,expected", [([1, 1, 0, 1], 3), ([0, 1, 1, 1], 1), ([1, 1, 1, 1], 5)])
