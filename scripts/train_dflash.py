@@ -679,7 +679,7 @@ def confidence_counts(rec: dict, anchors: torch.Tensor, correct: torch.Tensor, v
         correct slots).
     """
     pos = slot_label_positions(anchors).clamp(max=rec["top_logits"].shape[0] - 1)
-    p1 = torch.softmax(rec["top_logits"][pos].float(), -1)[..., 0]
+    p1 = torch.softmax(rec["top_logits"][pos].float(), -1)[..., 0].contiguous()
     nb = len(P1_EDGES) - 1
     cell = (torch.arange(BLOCK - 1)[None] * nb + torch.bucketize(p1, torch.tensor(P1_EDGES[1:-1]), right=True))
     out = torch.zeros((BLOCK - 1) * nb, 2, dtype=torch.float64)
