@@ -219,7 +219,7 @@ def _write_manifest(corpus: Path, man: dict) -> None:
     tmp.replace(corpus / "manifest.json")
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     pass
 

@@ -136,7 +136,7 @@ def self_distill(target, tok, prompts: list[list[int]], new_tokens: int) -> list
     return seqs
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     pass
 
@@ -389,16 +389,22 @@ def accept_len(correct: torch.Tensor) -> torch.Tensor:
 
 
 @cli.command()
-@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
-@click.option("--minutes", default=40.0)
+@click.option("--work", default="runs/dflash", show_default=True, type=click.Path(path_type=Path),
+              help="run folder: feature shards under WORK/data (this script's `data` step or scripts/distill.py "
+                   "features), checkpoints ckpt.pt / ckpt_best.pt written here; an existing ckpt.pt is resumed")
+@click.option("--minutes", default=40.0, show_default=True,
+              help="wall-clock budget of this call; the learning rate falls from --lr to --lr/10 over it (cosine)")
 @click.option("--layers", default=2, show_default=True,
               help="new runs: drafter layers; with --init-from, more layers than the checkpoint's grow it "
                    "(grow_drafter)")
-@click.option("--lr", default=1e-3)
-@click.option("--seqs-per-step", default=4)
-@click.option("--anchors", default=32)
-@click.option("--save-every", default=100)
-@click.option("--threads", default=2)
+@click.option("--lr", default=1e-3, show_default=True,
+              help="peak AdamW learning rate (a fresh run; continuations of shipped weights use 1e-4)")
+@click.option("--seqs-per-step", default=4, show_default=True, help="training sequences per optimizer step")
+@click.option("--anchors", default=32, show_default=True,
+              help="draft blocks per sequence per step (random anchor positions, one dense masked forward)")
+@click.option("--save-every", default=100, show_default=True,
+              help="steps between checkpoints and validation (the best replayed validation goes to ckpt_best.pt)")
+@click.option("--threads", default=2, show_default=True, help="torch CPU threads")
 @click.option("--draft-vocab", "draft_vocab_path", default=None, type=click.Path(exists=True, path_type=Path),
               help="draft_vocab.json: score (and train) only these LM-head rows, as the runtime does; labels outside "
                    "it carry no loss. About 2x faster steps with 8,192 of 49,152 rows.")
@@ -483,7 +489,9 @@ def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int
     train_recs, val_recs = load_shards(work)
     if not train_recs or not val_recs:
         raise click.UsageError(f"{work / 'data'} holds {len(train_recs)} training and {len(val_recs)} validation "
-                               "sequences (1 in 40 is held out); run the `data` step (longer) first")
+                               "sequences (1 in 40 is held out): write feature shards there first, with this "
+                               "script's `data` step (longer) or `python scripts/distill.py features --engine "
+                               "engines/ --features WORK/data` (from the shipped corpus)")
     ntok = sum(r["ids"].numel() for r in train_recs)
     train_len = max(r["ids"].numel() for r in train_recs)
     d.config.query_scale = training_profile(d.config.query_scale, train_len)

@@ -253,7 +253,7 @@ def init_drafter(path: Path, target, draft_ids: torch.Tensor) -> Eagle3Drafter:
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     pass
 

@@ -281,7 +281,7 @@ def validate_recs(d: PardDrafter, recs: list[dict], table, lm_head, labels_mode:
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     pass
 
