@@ -827,7 +827,8 @@ def draft_vocab(work: Path, size: int, out: Path):
     for f in shards:
         for rec in torch.load(f, mmap=True)["records"]:  # mmap: only the label pages are read
             c = np.bincount(rec["labels"].numpy().astype(np.int64), minlength=1)
-            counts = np.pad(counts, (0, max(0, c.size - counts.size)))
+            if c.size > counts.size:  # grow only for a larger label id (np.pad copies the array every call)
+                counts = np.pad(counts, (0, c.size - counts.size))
             counts[: c.size] += c
     out.mkdir(parents=True, exist_ok=True)
     ids = write_draft_vocab(out / DRAFT_VOCAB_FILE, counts, size,
