@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from runtime.benchmarking import rotated_runs
 from runtime.draft_length import DEFAULT_CONFIDENCE
 from runtime.draft_length import click_option as draft_confidence_option
 from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
@@ -151,27 +152,6 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
                                             "seed": seed, **sampled.stats.to_dict()}}, indent=1))
     if not lossless:
         sys.exit(3)
-
-
-def rotated_runs(runs: dict, repeats: int) -> dict:
-    """Run each configuration ``repeats`` times, rotating which goes first each time (base, spec, plain; spec,
-    plain, base; ...), so drift of a shared machine falls on all alike.
-
-    Args:
-        runs: name -> zero-argument callable returning a result with ``stats.tokens_per_s``.
-        repeats: runs per configuration, >= 1.
-    Returns:
-        name -> the median run by tokens/s (the lower middle one for even ``repeats``), plus ``"all"``: name ->
-        every run in the order made.
-    """
-    names = list(runs)
-    done = {n: [] for n in names}
-    for r in range(repeats):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            done[n].append(runs[n]())
-    out = {n: sorted(v, key=lambda x: x.stats.tokens_per_s)[(len(v) - 1) // 2] for n, v in done.items()}
-    out["all"] = done
-    return out
 
 
 def _spread(results: list) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -24,9 +23,8 @@ import click
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from plugins.rule import QueryScaleProfile, beta_torch  # noqa: E402
-from plugins.triton_attention import fused_attention  # noqa: E402
+from plugins.rule import QueryScaleProfile, beta_torch
+from plugins.triton_attention import fused_attention
 
 SHAPES_GPU = [(q_len, kv) for q_len in (1, 8, 16) for kv in (2048, 8192, 16384, 32768, 65536)]
 SHAPES_SMOKE = [(1, 96), (8, 130)]

@@ -11,8 +11,9 @@ Configurations (``--configs``): ``target-only``; ``fixed`` (the folder's ``verif
 probabilities falls below T). ``--prompt-lookup`` applies to every speculative configuration (the served
 default 3:5:7; ``off`` for the drafter alone).
 
-Prompts: the held-out documents of scripts/eval_mal.py (the ``--context`` tokens ending at token 3,500), ``--chat``
-held-out chat prompts, and the demo's own request (runtime/generate.py), chat template applied.
+Prompts: the held-out documents (training/corpus.py ``heldout_prompts``, as scripts/eval_mal.py: the ``--context``
+tokens ending at token 3,500), ``--chat`` held-out chat prompts, and the demo's own request (runtime/generate.py),
+chat template applied.
 
   python scripts/bench_draft_length.py --engine engines/ --context 1024 --chat 4 --repeats 2 \\
       --configs target-only,fixed,fixed:3,conf:0.3,conf:0.4,conf:0.5 --json-out runs/bench/draft_length.json
@@ -22,16 +23,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.draft_length import DraftConfidence  # noqa: E402
-from runtime.prompt_lookup import DEFAULT_SPEC, PromptLookup  # noqa: E402
-from runtime.prompt_lookup import click_option as prompt_lookup_option  # noqa: E402
-from scripts import eval_mal  # noqa: E402
+from runtime.benchmarking import geomean_ratio, rotated
+from runtime.draft_length import DraftConfidence
+from runtime.prompt_lookup import DEFAULT_SPEC, PromptLookup
+from runtime.prompt_lookup import click_option as prompt_lookup_option
+from training import corpus
 
 
 def parse_config(name: str) -> dict:
@@ -53,15 +53,15 @@ def parse_config(name: str) -> dict:
 
 
 def prompt_kind(name: str) -> str:
-    """"demo" for the demo's request, else scripts/eval_mal.py's kind (prose, code or chat)."""
-    return "demo" if name == "demo" else eval_mal.prompt_kind(name)
+    """"demo" for the demo's request, else the held-out prompt's kind (prose, code or chat; training/corpus.py)."""
+    return "demo" if name == "demo" else corpus.prompt_kind(name)
 
 
 def build_prompts(tok, context: int, chat: int) -> dict[str, list[int]]:
     """The eval_mal.py prompts (held-out documents at ``context`` tokens, ``chat`` chat prompts) and the demo's."""
     from runtime.generate import DEFAULT_PROMPT
 
-    prompts = eval_mal.heldout_prompts(tok, context, chat)
+    prompts = corpus.heldout_prompts(tok, context, chat)
     prompts["demo"] = tok.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}],
                                               add_generation_prompt=True, tokenize=True, return_dict=False)
     return prompts
@@ -72,8 +72,7 @@ def summarise(rows: list[dict], configs: list[str]) -> dict:
     out = {}
     for kind in sorted({r["kind"] for r in rows}) + ["all"]:
         sel = [r for r in rows if kind in ("all", r["kind"])]
-        out[kind] = {c: {"speedup": round(statistics.geometric_mean(r["tok_s"][c] / r["tok_s"]["target-only"]
-                                                                     for r in sel), 4),
+        out[kind] = {c: {"speedup": round(geomean_ratio((r["tok_s"][c], r["tok_s"]["target-only"]) for r in sel), 4),
                          "mal": round(statistics.mean(r["mal"][c] for r in sel), 4)}
                      for c in configs if c != "target-only"}
         out[kind]["prompts"] = len(sel)
@@ -113,8 +112,7 @@ def main(engine_dir: Path, context: int, chat: int, new_tokens: int, repeats: in
         row = {"prompt": name, "kind": prompt_kind(name), "prompt_tokens": len(ids), "mal": {}, "rounds": {}}
         ref = None
         for rep in range(repeats):
-            shift = (p + rep * max(1, len(names) // repeats)) % len(names)
-            for c in names[shift:] + names[:shift]:
+            for c in rotated(names, p + rep * max(1, len(names) // repeats)):
                 s = settings[c]
                 engine.draft_confidence = s["confidence"]
                 params = SamplingParams(max_new_tokens=new_tokens, num_draft_tokens=s["k"],

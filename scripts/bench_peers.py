@@ -13,7 +13,7 @@ Configurations (run one after another on every prompt; their order rotates from 
   tax" comparison against ``ortgenai-int4`` (its ids may differ from the block path's: docs/quantized-target.md);
 - ``sharpdraft-fp32`` / ``sharpdraft-fp32-target-only`` (``--engine-fp32``): the same pair with the fp32 target.
 
-Prompts (held out from every drafter's training, scripts/corpus.py): ``prose`` (hamlet) and ``code``
+Prompts (held out from every drafter's training, training/corpus.py): ``prose`` (hamlet) and ``code``
 (argparse.py) at each context C (the C tokens ending at token ``--end-token``; a context over the target's
 positions minus the new tokens is cut to fit), and ``chat``: the first ``--chat-prompts`` held-out chat-template
 prompts at their own length. ``--new-tokens`` greedy tokens each, EOS ignored.
@@ -39,12 +39,11 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from runtime.benchmarking import geomean_ratio, rotated
+from runtime.prompt_lookup import click_option as prompt_lookup_option
+from training.corpus import HELDOUT_DOCUMENTS
 
-from runtime.prompt_lookup import click_option as prompt_lookup_option  # noqa: E402
-
-PROSE, CODE = "hamlet_gut", "argparse.py"
+PROSE, CODE = HELDOUT_DOCUMENTS["prose"][0], HELDOUT_DOCUMENTS["code"][0]  # hamlet_gut, argparse.py
 REFERENCE = "ortgenai-int4"
 
 
@@ -113,10 +112,10 @@ def summarise(result: dict) -> dict:
                 g[c]["step_ms"] = round(statistics.median(r[c]["step_ms_median"] for r in runs), 3)
             for base in (REFERENCE, target_only_of(c)):
                 if base in runs[0] and base != c:
-                    g[c][f"x_{base}"] = round(statistics.geometric_mean(
-                        r[c]["decode_tokens_per_s"] / r[base]["decode_tokens_per_s"] for r in runs), 3)
-                    g[c][f"e2e_x_{base}"] = round(statistics.geometric_mean(
-                        r[c]["tokens_per_s"] / r[base]["tokens_per_s"] for r in runs), 3)
+                    g[c][f"x_{base}"] = round(geomean_ratio(
+                        (r[c]["decode_tokens_per_s"], r[base]["decode_tokens_per_s"]) for r in runs), 3)
+                    g[c][f"e2e_x_{base}"] = round(geomean_ratio(
+                        (r[c]["tokens_per_s"], r[base]["tokens_per_s"]) for r in runs), 3)
             if "mal" in runs[0][c]:
                 g[c]["mal"] = round(statistics.mean(r[c]["mal"] for r in runs), 3)
                 g[c]["acceptance"] = [round(statistics.mean(vals), 3) for vals in
@@ -224,9 +223,9 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
 
     from runtime.engine import SpecEngine
     from runtime.models.target import resolve_target
-    from scripts.corpus import document_prompts as _prompts
-    from scripts.bench_speed import run_ort
-    from scripts.corpus import chat_prompts as make_chat
+    from runtime.benchmarking import run_timed as run_ort
+    from training.corpus import chat_prompts as make_chat
+    from training.corpus import document_prompts as _prompts
 
     engines = {"int4": SpecEngine.from_dir(engine_dir)}
     if engines["int4"].manifest["target"].get("precision") != "int4":
@@ -285,7 +284,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
               "prompts": {}}
     out.mkdir(parents=True, exist_ok=True)
     for i, (key, ids) in enumerate(tqdm(prompts.items(), desc="prompts", file=sys.stderr)):
-        order = configs[i % len(configs):] + configs[: i % len(configs)]
+        order = rotated(configs, i)
         runs = {c: run(c, ids) for c in order}
         lossless = runs["sharpdraft-int4"]["token_ids"] == runs["sharpdraft-int4-target-only"]["token_ids"]
         if prompt_lookup:

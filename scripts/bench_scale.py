@@ -39,7 +39,6 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # Qwen/Qwen3-0.6B config.json (the published values that set the shape; random weights here)
 QWEN3_0_6B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from runtime.benchmarking import rotated
 
 CONFIGS = ("speculative", "adaptive", "by-batch", "target-only")
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -38,10 +36,10 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
 
 def prompts_for(tok, context: int, chat: int) -> list[tuple[str, list[int]]]:
     """Held-out prompts as token ids: prose and code documents at ``context`` tokens, and chat prompts."""
-    from scripts.corpus import document_prompts as _prompts
-    from scripts.corpus import chat_prompts
+    from training.corpus import chat_prompts, document_kind
+    from training.corpus import document_prompts as _prompts
 
-    out = [(f"{'prose' if name.startswith(('hamlet', 'othello', 'macbeth')) else 'code'}/{name}", ids)
+    out = [(f"{document_kind(name)}/{name}", ids)
            for name, ids in _prompts(tok, [context], 3500, ["hamlet_gut", "argparse.py", "othello_gut",
                                                             "typing.py"]).items()]
     out += [(f"chat/{i}", ids) for i, ids in enumerate(chat_prompts("heldout", tok, chat))]
@@ -222,7 +220,7 @@ def main(engine_dir, concurrency, requests, max_tokens, context, chat, configs, 
     with serve_in_thread(aeng, "bench") as url:
         run_level(url, "bench", prompts, 1, 2, 8, True, 60)  # warm-up (graph init, first allocations)
         for li, c in enumerate(levels):
-            order = cfgs[li % len(cfgs):] + cfgs[: li % len(cfgs)]  # rotated per level
+            order = rotated(cfgs, li)  # rotated per level
             result["levels"][str(c)] = {}
             for cfg in order:
                 engine.adaptive_draft_tokens = cfg == "adaptive"

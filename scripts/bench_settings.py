@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,6 @@ import click
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _pair(engine_dir: Path, manifest: dict, threads: int, spin: str):
@@ -268,7 +266,7 @@ def main(engine_dir: Path, context: int, prefill_tokens: int, chunks: str, k: in
          out: Path) -> None:
     """Time ONNX Runtime thread / spinning settings and prefill chunk sizes on an engines folder."""
     from runtime.manifest import load_manifest
-    from scripts.corpus import document_prompts as _prompts
+    from training.corpus import document_prompts as _prompts
     from transformers import AutoTokenizer
 
     manifest = load_manifest(engine_dir)

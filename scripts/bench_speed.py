@@ -13,7 +13,7 @@ noisy machine hits them alike):
 - ``hf-prompt-lookup``: transformers ``generate(prompt_lookup_num_tokens=10)``, its training-free speculation.
 
 Prompts: for each kind (``prose`` = hamlet, macbeth, othello; ``code`` = argparse.py, subprocess.py, typing.py; the
-first ``--docs-per-kind`` of them; all held out from training, scripts/corpus.py) and each context C, the C tokens
+first ``--docs-per-kind`` of them; all held out from training, training/corpus.py) and each context C, the C tokens
 ending at token ``--end-token`` of the document, then ``--new-tokens`` tokens (EOS ignored, so every configuration
 emits the same count). Reported per prompt: tokens/s with and without prefill, prefill seconds, MAL, draft / verify
 ms per step, and for the ONNX Runtime configurations the time per decode step inside ONNX Runtime calls and outside
@@ -41,52 +41,12 @@ from pathlib import Path
 import click
 import numpy as np
 
+from runtime.benchmarking import geomean_ratio, rotated
+from runtime.benchmarking import run_timed as run_ort
+from training.corpus import HELDOUT_DOCUMENTS as KINDS
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-KINDS = {"prose": ("hamlet_gut", "macbeth_gut", "othello_gut"), "code": ("argparse.py", "subprocess.py", "typing.py")}
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
-
-
-def run_ort(engine, ids: list[int], new_tokens: int, speculative: bool, num_draft_tokens: int | None = None,
-            draft_vocab: bool = True) -> dict:
-    """One request through ``engine`` step by step; per step the wall time and the time inside ONNX Runtime.
-
-    ``num_draft_tokens``: verify only the first k draft tokens of each block (None: all); ``draft_vocab``: False
-    scores the drafter's LM head over the whole vocabulary (A/B of runtime/draft_vocab.py).
-    """
-    from runtime.sampling import SamplingParams
-
-    graphs = [engine.target] + ([engine.drafter] if engine.drafter is not None else [])
-    if hasattr(engine.drafter, "set_draft_vocab"):
-        engine.drafter.set_draft_vocab(draft_vocab)
-    seq = engine.add_request(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, speculative=speculative,
-                                                 num_draft_tokens=num_draft_tokens))
-    steps = []
-    while engine.has_unfinished:
-        ort0, t0 = sum(g.ort_s for g in graphs), time.perf_counter()
-        engine.step()
-        steps.append((time.perf_counter() - t0, sum(g.ort_s for g in graphs) - ort0))
-    if hasattr(engine.drafter, "set_draft_vocab"):
-        engine.drafter.set_draft_vocab(True)
-    (prefill_s, _), decode = steps[0], steps[1:]
-    s = seq.stats
-    n = len(seq.out)
-    decode_s = sum(w for w, _ in decode)
-    row = {"token_ids": list(seq.out), "new_tokens": n, "prefill_s": round(prefill_s, 4),
-           "decode_s": round(decode_s, 4), "tokens_per_s": round(n / (prefill_s + decode_s), 3),
-           "decode_tokens_per_s": round((n - 1) / decode_s, 3) if decode_s else None,
-           "steps": len(decode),
-           "step_ms_median": round(1000 * statistics.median(w for w, _ in decode), 3),
-           "ort_ms_per_step": round(1000 * statistics.median(o for _, o in decode), 3),
-           "overhead_ms_per_step": round(1000 * statistics.median(w - o for w, o in decode), 3)}
-    if speculative:
-        row |= {"mal": round(s.mean_accepted_length, 4), "rounds": s.rounds,
-                "acceptance": [round(a, 4) for a in s.acceptance_per_position],
-                "draft_ms_per_step": round(1000 * s.draft_s / len(decode), 3),
-                "verify_ms_per_step": round(1000 * s.verify_s / len(decode), 3),
-                "lookup_rounds": s.lookup_rounds, "lookup_accepted": s.lookup_accepted}
-    return row
 
 
 def run_hf(model, ids: list[int], new_tokens: int, lookup: bool) -> dict:
@@ -200,10 +160,10 @@ def summarise(result: dict) -> dict:
                 g[c]["draft_ms_per_step"] = round(statistics.mean(r[c]["draft_ms_per_step"] for r in runs), 3)
                 g[c]["verify_ms_per_step"] = round(statistics.mean(r[c]["verify_ms_per_step"] for r in runs), 3)
                 for base in bases:
-                    g[c][f"speedup_vs_{base}"] = round(statistics.geometric_mean(
-                        r[c]["decode_tokens_per_s"] / r[base]["decode_tokens_per_s"] for r in runs), 3)
-                    g[c][f"e2e_speedup_vs_{base}"] = round(statistics.geometric_mean(
-                        r[c]["tokens_per_s"] / r[base]["tokens_per_s"] for r in runs), 3)
+                    g[c][f"speedup_vs_{base}"] = round(geomean_ratio(
+                        (r[c]["decode_tokens_per_s"], r[base]["decode_tokens_per_s"]) for r in runs), 3)
+                    g[c][f"e2e_speedup_vs_{base}"] = round(geomean_ratio(
+                        (r[c]["tokens_per_s"], r[base]["tokens_per_s"]) for r in runs), 3)
         g["query_scale_ratio"] = round(statistics.median(e["query_scale"]["ratio"] for e in entries), 4)
         g["query_scale_ratio_min"] = round(statistics.median(e["query_scale"]["ratio_min"] for e in entries), 4)
         out[group] = g
@@ -307,7 +267,7 @@ def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token
     from transformers import AutoModelForCausalLM
 
     from runtime.engine import SpecEngine
-    from scripts.corpus import document_prompts as _prompts
+    from training.corpus import document_prompts as _prompts
 
     ctxs = sorted({int(c) for c in contexts.split(",")})
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
@@ -347,7 +307,7 @@ def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token
               "kv_io": engine.manifest["graphs"]["target"].get("kv_io", "concat"), "prompts": {}}
     out.mkdir(parents=True, exist_ok=True)
     for i, (key, ids) in enumerate(tqdm(prompts.items(), desc="prompts", file=sys.stderr)):
-        order = configs[i % len(configs):] + configs[: i % len(configs)]
+        order = rotated(configs, i)
         runs = {}
         for c in order:
             if c.startswith("hf-"):

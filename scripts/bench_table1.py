@@ -2,7 +2,7 @@
 
 SharpDraft (arXiv 2610.05106) compares query scaling with online adaptation of the drafter (LoRA and full) and the
 frozen drafter; the field's other answer to long-context decay is a sliding-window drafter. This benchmark runs
-them on the same prompts. Prompts: for each held-out document (scripts/corpus.py ``heldout``: hamlet, othello,
+them on the same prompts. Prompts: for each held-out document (training/corpus.py ``heldout``: hamlet, othello,
 macbeth, argparse.py, typing.py, subprocess.py; never used in training or calibration) and each context length C,
 the C tokens ending at token ``--end-token`` (every C continues from the same point); with ``--chat N``, also N
 document-grounded chat prompts per C (a held-out passage in the chat template, "Summarise the passage above.", C
@@ -49,8 +49,7 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from runtime.benchmarking import geomean_ratio, rotations
 
 END_TOKEN = 7700
 ONLINE = {"lora-online": "lora", "full-online": "full"}
@@ -66,7 +65,7 @@ def chat_prompts(tokenizer, contexts: list[int], end_token: int, n: int) -> dict
     """``{"chat:<doc>@<C>": ids}``: document-grounded chat prompts of C tokens (within a few: token boundaries),
     the user turn a held-out passage ending at ``end_token`` plus :data:`CHAT_TASK`, in the target's chat template.
     ``tokenizer``: a transformers tokenizer with a chat template."""
-    from scripts.corpus import plays, stdlib_modules
+    from training.corpus import plays, stdlib_modules
 
     docs = list({**plays("heldout"), **stdlib_modules("heldout")}.items())[:n]
     frame = len(_chat(tokenizer, CHAT_TASK))  # template tokens around the passage
@@ -119,13 +118,6 @@ def _worker(engine_dir: Path, config: str, prompts: dict[str, list[int]], new_to
             "query_scale_on": query_scale, "backend": "torch" if torch_backend else "onnxruntime",
             "max_new_tokens": new_tokens, "peak_rss_mb": round(peak_mb, 1), "rows": rows,
             "online": adapter.stats() if adapter is not None else None}
-
-
-def rotations(configs: list, rounds: int) -> list[list]:
-    """The run order of each round: round r starts ``r * len(configs) // rounds`` configurations further on (round 0
-    is the given order), so over the rounds every configuration runs early and late."""
-    n = len(configs)
-    return [configs[r * n // rounds:] + configs[:r * n // rounds] for r in range(rounds)]
 
 
 def merge_rounds(label: str, runs: list[dict]) -> dict:
@@ -214,10 +206,10 @@ def _summary(result: dict) -> dict:
         for ctx in result["contexts"]:
             names = [n for n in rows if n.endswith(f"@{ctx}")]
             entry = {"tokens_per_s": statistics.mean(rows[n]["tokens_per_s"] for n in names),
-                     "speedup_geomean": statistics.geometric_mean(rows[n]["tokens_per_s"] / base[n]["tokens_per_s"]
-                                                                  for n in names),
-                     "decode_speedup_geomean": statistics.geometric_mean(
-                         rows[n]["decode_tokens_per_s"] / base[n]["decode_tokens_per_s"] for n in names),
+                     "speedup_geomean": geomean_ratio(
+                         (rows[n]["tokens_per_s"], base[n]["tokens_per_s"]) for n in names),
+                     "decode_speedup_geomean": geomean_ratio(
+                         (rows[n]["decode_tokens_per_s"], base[n]["decode_tokens_per_s"]) for n in names),
                      "prefill_s": statistics.mean(rows[n]["prefill_s"] for n in names)}
             if "mal" in rows[names[0]]:
                 entry["mal"] = statistics.mean(rows[n]["mal"] for n in names)
@@ -320,7 +312,7 @@ def main(engines, frozen_engines, contexts, new_tokens, end_token, docs, chat, o
         _check_torch_folder(torch_dir)
     from transformers import AutoTokenizer
 
-    from scripts.corpus import document_prompts
+    from training.corpus import document_prompts
 
     tok = AutoTokenizer.from_pretrained(str(pairs[0][1] / "tokenizer"))
 

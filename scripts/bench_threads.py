@@ -27,8 +27,7 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from runtime.benchmarking import rotated
 
 CORES = str(os.cpu_count() or 1)
 SETTINGS = {
@@ -41,7 +40,7 @@ SETTINGS = {
 
 def _worker(engine_dir: Path, context: int, new_tokens: int) -> dict:
     from runtime.engine import SpecEngine
-    from scripts.corpus import chat_prompts, document_prompts
+    from training.corpus import chat_prompts, document_prompts
 
     engine = SpecEngine.from_dir(engine_dir)
     tok = engine.tokenizer
@@ -82,7 +81,7 @@ def main(engine_dir, context, new_tokens, rounds, settings, out, worker):
                                  param_hint="--settings")
     runs = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotated
+        for name in rotated(names, r):
             env = {k: v for k, v in os.environ.items() if not k.startswith("SHARPDRAFT_")} | SETTINGS[name]
             proc = subprocess.run([sys.executable, __file__, "--worker", "--engine", str(engine_dir), "--context",
                                    str(context), "--new-tokens", str(new_tokens)], env=env, capture_output=True,

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.eval_mal import main as eval_mal, mean_by_kind, prompt_kind  # noqa: E402
+from training.corpus import mean_by_kind, prompt_kind
+
+EVAL_MAL = Path(__file__).with_name("eval_mal.py")  # run as a command: a script never imports another
 
 CALLS = {  # name: eval_mal arguments (besides --engine, --draft-tokens and --json-out)
     "ctx1024": ["--context", "1024", "--chat", "4"],
@@ -88,8 +90,10 @@ def main(engine_dir: Path, out: Path, long: bool):
         f = out / f"eval_{name}.json"
         if not f.exists():  # a rerun continues where an interrupted one stopped
             click.echo(f"--- {name}: {' '.join(args)}")
-            eval_mal.main(["--engine", str(engine_dir), "--draft-tokens", "7", "--json-out", str(f), *args],
-                          standalone_mode=False)
+            r = subprocess.run([sys.executable, str(EVAL_MAL), "--engine", str(engine_dir), "--draft-tokens", "7",
+                                "--json-out", str(f), *args])
+            if r.returncode:  # eval_mal.py said why (a lossless break, a bad folder) on its stderr
+                raise SystemExit(r.returncode)
         calls[name] = json.loads(f.read_text())
     summary = heldout_summary(calls)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

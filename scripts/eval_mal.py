@@ -1,6 +1,6 @@
 """Measure greedy MAL and speed of an engines/ folder on held-out documents (never used in training).
 
-For each held-out document (hamlet, othello, macbeth, argparse.py, typing.py, subprocess.py; scripts/corpus.py)
+For each held-out document (hamlet, othello, macbeth, argparse.py, typing.py, subprocess.py; training/corpus.py)
 the prompt is the ``--context`` tokens ending at token 3500 of the document, so every context length continues
 from the same point; plus ``--chat`` held-out HumanEval chat prompts. Each prompt generates ``--new-tokens`` greedy
 tokens speculatively and target-only (same run, same engines), checks they are identical, and reports MAL,
@@ -19,21 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.draft_length import DraftConfidence  # noqa: E402
-from runtime.draft_length import click_option as draft_confidence_option  # noqa: E402
-from runtime.engine import SpecEngine  # noqa: E402
-from runtime.prompt_lookup import PromptLookup  # noqa: E402
-from runtime.prompt_lookup import click_option as prompt_lookup_option  # noqa: E402
-from runtime.sampling import VERIFICATION_SCHEMES, SamplingParams  # noqa: E402
-from scripts.corpus import chat_prompts, plays, stdlib_modules  # noqa: E402
-
-END_TOKEN = 3500
+from runtime.benchmarking import geomean_ratio
+from runtime.draft_length import DraftConfidence
+from runtime.draft_length import click_option as draft_confidence_option
+from runtime.engine import SpecEngine
+from runtime.prompt_lookup import PromptLookup
+from runtime.prompt_lookup import click_option as prompt_lookup_option
+from runtime.sampling import VERIFICATION_SCHEMES, SamplingParams
+from training.corpus import END_TOKEN, heldout_prompts, mean_by_kind
 
 
 @click.command()
@@ -100,8 +97,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
                "mal_by_kind": mean_by_kind(rows, "mal"),
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),
-               "speedup_geomean": round(statistics.geometric_mean(r["spec_tok_s"] / r["target_tok_s"]
-                                                                  for r in rows), 4),
+               "speedup_geomean": round(geomean_ratio((r["spec_tok_s"], r["target_tok_s"]) for r in rows), 4),
                "rows": rows}
     if compare_query_scale:
         summary["mal_by_kind_frozen"] = mean_by_kind(rows, "mal_frozen")
@@ -116,29 +112,6 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(summary, indent=1))
-
-
-def heldout_prompts(tok, context: int, chat: int, end_token: int = END_TOKEN) -> dict[str, list[int]]:
-    """{name: prompt ids}: per held-out document (one edition per play) the ``context`` tokens ending at token
-    ``end_token``, then ``chat`` held-out chat prompts named chat0, chat1, ..."""
-    prompts = {}
-    for name, text in {**plays("heldout"), **stdlib_modules("heldout")}.items():
-        if not name.endswith("_gut_f"):
-            prompts[name] = tok.encode(text)[:end_token][-context:]
-    for i, ids in enumerate(chat_prompts("heldout", tok, n=chat, seed=0)):
-        prompts[f"chat{i}"] = ids
-    return prompts
-
-
-def prompt_kind(name: str) -> str:
-    """"prose" (a held-out play), "code" (a held-out stdlib module) or "chat" (a held-out chat prompt)."""
-    return "chat" if name.startswith("chat") else "code" if name.endswith(".py") else "prose"
-
-
-def mean_by_kind(rows: list[dict], key: str) -> dict[str, float]:
-    """{kind: mean of ``row[key]``} over the rows of each :func:`prompt_kind` present."""
-    kinds = [k for k in ("prose", "code", "chat") if any(prompt_kind(r["prompt"]) == k for r in rows)]
-    return {k: round(statistics.mean(r[key] for r in rows if prompt_kind(r["prompt"]) == k), 4) for k in kinds}
 
 
 if __name__ == "__main__":

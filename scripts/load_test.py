@@ -4,7 +4,7 @@ Starts `runtime.serve` in-process (uvicorn on 127.0.0.1, a free port) for each p
 side by side in one run:
   serial   --max-running 1: the same N clients, served one request at a time (requests queue);
   batched  --max-running N: continuous batching, all clients share engine steps.
-Each client loops over held-out prompts (scripts/corpus.py: chat prompts and document snippets never used in
+Each client loops over held-out prompts (training/corpus.py: chat prompts and document snippets never used in
 training), sends greedy completions of --max-tokens, and checks every response against its solo output (the same
 request generated alone by the engine before the phases). Responses are also compared with target-only greedy
 decoding and the differences counted separately: in fp32 a near-tie between the target's top two logits (gaps of
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _free_port() -> int:
@@ -37,7 +36,7 @@ def _free_port() -> int:
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
-    from scripts.corpus import chat_prompts, plays, stdlib_modules
+    from training.corpus import chat_prompts, plays, stdlib_modules
 
     out = list(chat_prompts("heldout", tok, n=n // 2, seed=1))
     docs = {**plays("heldout"), **stdlib_modules("heldout")}

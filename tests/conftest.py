@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 if not torch.cuda.is_available():  # Triton kernels run on CPU in Triton's interpreter (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

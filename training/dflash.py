@@ -26,7 +26,6 @@ import json
 import math
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -34,12 +33,13 @@ import click
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from plugins.rule import QueryScaleProfile  # noqa: E402
-from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash  # noqa: E402
-from runtime.models.target import load_target  # noqa: E402
-from scripts.corpus import chat_prompts, documents  # noqa: E402
-from scripts.train_common import compute_dtype, cpu_autocast  # noqa: E402
+from plugins.rule import QueryScaleProfile
+from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash
+from runtime.models.target import load_target
+from training import shards
+from training.autocast import compute_dtype, cpu_autocast
+from training.corpus import chat_prompts, documents
+from training.metrics import accept_len
 
 SEQ_LEN = 512
 BLOCK = 8
@@ -136,27 +136,7 @@ def self_distill(target, tok, prompts: list[list[int]], new_tokens: int) -> list
     return seqs
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli():
-    pass
-
-
-@cli.command()
-@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
-@click.option("--minutes", default=20.0, help="wall-clock budget for this call")
-@click.option("--distill-frac", default=0.5, help="fraction of shards that are self-distilled")
-@click.option("--threads", default=2)
-@click.option("--seed", default=0)
-@click.option("--seq-len", default=SEQ_LEN, show_default=True, type=click.IntRange(256, 8192),
-              help="tokens per sequence: teacher-forced windows have this length; self-distilled prompts leave "
-                   "room for --new-tokens")
-@click.option("--new-tokens", default=192, show_default=True, type=click.IntRange(16, 1024),
-              help="greedy tokens the target appends to each self-distillation prompt")
-@click.option("--long-prompts", is_flag=True,
-              help="self-distillation prompts are document windows of one random length per shard, up to "
-                   "seq-len - new-tokens (instead of 64-256 tokens or a chat prompt): labels along the target's "
-                   "greedy chain at long context")
-def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: int, seq_len: int, new_tokens: int,
+def make_data(work: Path, minutes: float, distill_frac: float, threads: int, seed: int, seq_len: int, new_tokens: int,
          long_prompts: bool):
     """Append feature shards (teacher-forced and self-distilled) until the time budget is spent."""
     if long_prompts and seq_len - new_tokens < 64:
@@ -166,7 +146,7 @@ def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: in
     target.config._attn_implementation = "sdpa"
     out_dir = work / "data"
     out_dir.mkdir(parents=True, exist_ok=True)
-    start = len(list(out_dir.glob("shard_*.pt")))
+    start = len(shards.feature_shard_files(out_dir))
     rng = random.Random(seed + start)
     windows = [w for doc in documents("train") for w in _windows(tok.encode(doc), seq_len)]
     rng.shuffle(windows)
@@ -188,9 +168,7 @@ def data(work: Path, minutes: float, distill_frac: float, threads: int, seed: in
             ids[i, : len(s)] = torch.tensor(s)
         recs = [r for i in range(0, len(seqs), 4)  # 4 sequences per forward bounds the [4, S, vocab] logits
                 for r in features(target, ids[i:i + 4], lengths[i:i + 4])]
-        tmp = out_dir / f".shard_{shard:05d}.pt.tmp"  # renamed when complete: an interrupted call leaves no bad shard
-        torch.save({"kind": kind, "seq_len": seq_len, "records": recs}, tmp)
-        tmp.replace(out_dir / f"shard_{shard:05d}.pt")
+        shards.write_feature_shard(out_dir / f"shard_{shard:05d}.pt", kind, seq_len, recs)
         shard += 1
         ntok = sum(lengths)
         print(f"shard {shard} {kind} {ntok} tokens, {time.time() - t0:.0f}s", flush=True)
@@ -275,7 +253,7 @@ def block_loss(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torch.
                kd_temp: float = 1.0, chain_mask: bool = False):
     """Weighted CE and per-slot correctness for the blocks of one sequence at ``anchors`` [A].
 
-    ``lm_head`` is ``[V, hidden]`` in the compute dtype (scripts/train_common.py): the target's whole LM head, or
+    ``lm_head`` is ``[V, hidden]`` in the compute dtype (training/autocast.py): the target's whole LM head, or
     only the rows of a draft vocabulary (runtime/draft_vocab.py), in which case ``label_map`` int64 ``[vocab_size]``
     maps a target token id to its row (-1 for ids outside the draft vocabulary: those slots carry no loss and count
     as wrong, as at inference, where the drafter cannot propose them). Slot j (1..B-1) is weighted
@@ -369,75 +347,12 @@ def soft_ce(logits: torch.Tensor, rec: dict, pos: torch.Tensor, label_map: torch
     return -(p * logq).sum(-1)
 
 
-def load_shards(work: Path, val_every: int = 40) -> tuple[list[dict], list[dict]]:
-    """All records of all shards, split by a hash of their token ids (stable when shards are added later)."""
-    import zlib
-
-    train_recs, val_recs = [], []
-    for f in sorted((work / "data").glob("shard_*.pt")):
-        for r in torch.load(f)["records"]:
-            if r["ids"].numel() <= BLOCK + 2:
-                continue
-            is_val = zlib.crc32(r["ids"].numpy().tobytes()) % val_every == 0
-            (val_recs if is_val else train_recs).append(r)
-    return train_recs, val_recs
+def load_shards(work: Path, val_every: int = shards.VAL_EVERY) -> tuple[list[dict], list[dict]]:
+    """All records of the feature shards under ``work/data`` longer than ``BLOCK + 2`` tokens, split into
+    ``(train, validation)`` by the hash of their token ids (training/shards.py: stable when shards are added)."""
+    return shards.load_feature_split(work / "data", val_every, min_len=BLOCK + 3)
 
 
-def accept_len(correct: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced proxy of accepted length per block: 1 + leading run of correct slots. [A, B-1] -> [A]."""
-    return 1 + correct.long().cumprod(-1).sum(-1)
-
-
-@cli.command()
-@click.option("--work", default="runs/dflash", show_default=True, type=click.Path(path_type=Path),
-              help="run folder: feature shards under WORK/data (this script's `data` step or scripts/distill.py "
-                   "features), checkpoints ckpt.pt / ckpt_best.pt written here; an existing ckpt.pt is resumed")
-@click.option("--minutes", default=40.0, show_default=True,
-              help="wall-clock budget of this call; the learning rate falls from --lr to --lr/10 over it (cosine)")
-@click.option("--layers", default=2, show_default=True,
-              help="new runs: drafter layers; with --init-from, more layers than the checkpoint's grow it "
-                   "(grow_drafter)")
-@click.option("--lr", default=1e-3, show_default=True,
-              help="peak AdamW learning rate (a fresh run; continuations of shipped weights use 1e-4)")
-@click.option("--seqs-per-step", default=4, show_default=True, help="training sequences per optimizer step")
-@click.option("--anchors", default=32, show_default=True,
-              help="draft blocks per sequence per step (random anchor positions, one dense masked forward)")
-@click.option("--save-every", default=100, show_default=True,
-              help="steps between checkpoints and validation (the best replayed validation goes to ckpt_best.pt)")
-@click.option("--threads", default=2, show_default=True, help="torch CPU threads")
-@click.option("--draft-vocab", "draft_vocab_path", default=None, type=click.Path(exists=True, path_type=Path),
-              help="draft_vocab.json: score (and train) only these LM-head rows, as the runtime does; labels outside "
-                   "it carry no loss. About 2x faster steps with 8,192 of 49,152 rows.")
-@click.option("--slot-decay", default=4.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="CE weight of slot j is exp(-(j-1)/slot_decay); smaller favours the first slots")
-@click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="start a new run (no checkpoint under --work yet) from these DFlash weights, e.g. the shipped "
-                   "drafters/dflash-smollm2-135m-swa768-1full (the default) or drafters/dflash-smollm2-135m (full "
-                   "attention), with a fresh optimizer; ignored when resuming")
-@click.option("--sliding-window", default=None, type=click.IntRange(min=1),
-              help="new runs (also with --init-from): sliding-window layers with this window (Qwen3.6 DFlash "
-                   "style); see --full-layers")
-@click.option("--full-layers", default=0, show_default=True, type=click.IntRange(min=0),
-              help="with --sliding-window: how many of the last layers keep full attention (Qwen3.6: 1 of 5)")
-@click.option("--gen-anchors", default=0.0, show_default=True, type=click.FloatRange(0, 1),
-              help="fraction of each sequence's anchors drawn from the target's own greedy continuation (records "
-                   "with a prompt_len, scripts/distill.py), where the drafter drafts at inference; the rest uniform")
-@click.option("--tables-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="an engines/ folder: train with the embedding and LM head its drafter is fed (a quantized "
-                   "target's own int4 tables, dequantized as the runtime does) instead of the fp32 target's")
-@click.option("--walk-anchors", default=0.0, show_default=True, type=click.FloatRange(0, 1),
-              help="fraction of each sequence's anchors taken from the rounds the draft-verify loop would make with "
-                   "the current weights (walk_rounds over WALK_SPAN generated positions from a random start): the "
-                   "positions after a rejection, where the loop drafts, not uniform ones; the rest as --gen-anchors")
-@click.option("--kd", default=0.0, show_default=True, type=click.FloatRange(0, 1),
-              help="weight of the soft-target term (the target's top logits stored by scripts/distill.py) against "
-                   "the argmax labels (block_loss); records without top logits use the labels alone")
-@click.option("--kd-temp", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="softmax temperature of the soft-target term")
-@click.option("--chain-mask/--no-chain-mask", default=False, show_default=True,
-              help="train slot j >= 2 only where the tokens before its label are the target's own greedy chain "
-                   "(greedy_chain_mask): as at inference; off, human-written prompt text gives labels the drafter "
-                   "cannot see the cause of")
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,
           threads: int, draft_vocab_path: Path | None, slot_decay: float, init_from: Path | None,
           sliding_window: int | None, full_layers: int, gen_anchors: float, walk_anchors: float,
@@ -756,13 +671,6 @@ def _save(d, opt, state, t_start, ckpt_path, val_recs, embed, lm_head, loss_kw):
         print(f"best of this call so far (step {state['step']}) -> {ckpt_path.with_name('ckpt_best.pt')}")
 
 
-@cli.command()
-@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
-@click.option("--out", required=True, type=click.Path(path_type=Path),
-              help="drafter folder to write (a shipped one, e.g. drafters/dflash-smollm2-135m-swa768-1full, is "
-                   "overwritten: name it on purpose)")
-@click.option("--best", is_flag=True, help="write ckpt_best.pt (the last call's best validation) instead of the "
-                                          "latest checkpoint")
 def save(work: Path, out: Path, best: bool):
     """Write the checkpoint in the public DFlash format (bf16 safetensors) plus training_log.json."""
     ck = torch.load(work / ("ckpt_best.pt" if best else "ckpt.pt"))
@@ -770,10 +678,9 @@ def save(work: Path, out: Path, best: bool):
     d.load_state_dict(ck["model"])
     d = d.to(torch.bfloat16)
     save_dflash(d, out, metadata={"format": "pt", "recipe": "scripts/train_dflash.py"})
-    shards = sorted((work / "data").glob("shard_*.pt"))
     kinds: dict[str, int] = {}
-    for f in shards:
-        s = torch.load(f)
+    for f in shards.feature_shard_files(work / "data"):
+        s = shards.read_feature_shard(f)
         kinds[s["kind"]] = kinds.get(s["kind"], 0) + sum(r["ids"].numel() for r in s["records"])
     log = {"tokens_by_kind": kinds, **ck["state"]}
     init = ck["state"].get("init_from")
@@ -784,17 +691,7 @@ def save(work: Path, out: Path, best: bool):
     print(f"wrote {out}")
 
 
-@cli.command("validate")
-@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path),
-              help="its data/ shards give the validation sequences (1 in 40, by a hash of their ids)")
-@click.option("--weights", "weights", required=True, multiple=True,
-              type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="DFlash checkpoint folders to measure on the same sequences (repeatable)")
-@click.option("--draft-vocab", "draft_vocab_path", default=None, type=click.Path(exists=True, path_type=Path))
-@click.option("--tables-from", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--slot-decay", default=2.0, show_default=True, type=click.FloatRange(min=0.1))
-@click.option("--threads", default=2)
-def validate_cmd(work: Path, weights: tuple[Path, ...], draft_vocab_path: Path | None, tables_from: Path | None,
+def validate_weights(work: Path, weights: tuple[Path, ...], draft_vocab_path: Path | None, tables_from: Path | None,
                  slot_decay: float, threads: int):
     """Validation figures (loss, proxies, val_walk_mal) of several weights on one validation set, one JSON line each."""
     from runtime.models.dflash import load_dflash
@@ -809,23 +706,19 @@ def validate_cmd(work: Path, weights: tuple[Path, ...], draft_vocab_path: Path |
         print(json.dumps({"weights": str(w), **validate(d, val_recs, embed, lm_head, loss_kw)}), flush=True)
 
 
-@cli.command("draft-vocab")
-@click.option("--work", default="runs/dflash", type=click.Path(path_type=Path))
-@click.option("--size", default=8192, show_default=True, type=click.IntRange(1, None))
-@click.option("--out", default="drafters/dflash-smollm2-135m", type=click.Path(path_type=Path))
-def draft_vocab(work: Path, size: int, out: Path):
+def make_draft_vocab(work: Path, size: int, out: Path):
     """Write ``draft_vocab.json``: the ``--size`` tokens the target emits most often as argmax labels over the
     training shards (runtime/draft_vocab.py: the drafter's LM head scores only those)."""
     import numpy as np
 
     from runtime.draft_vocab import DRAFT_VOCAB_FILE, write_draft_vocab
 
-    shards = sorted((work / "data").glob("shard_*.pt"))
-    if not shards:
+    files = shards.feature_shard_files(work / "data")
+    if not files:
         raise click.UsageError(f"no shards under {work / 'data'}; run the `data` step first")
     counts = np.zeros(0, np.int64)
-    for f in shards:
-        for rec in torch.load(f, mmap=True)["records"]:  # mmap: only the label pages are read
+    for f in files:
+        for rec in shards.read_feature_shard(f, mmap=True)["records"]:  # mmap: only the label pages are read
             c = np.bincount(rec["labels"].numpy().astype(np.int64), minlength=1)
             if c.size > counts.size:  # grow only for a larger label id (np.pad copies the array every call)
                 counts = np.pad(counts, (0, c.size - counts.size))
@@ -833,9 +726,5 @@ def draft_vocab(work: Path, size: int, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     ids = write_draft_vocab(out / DRAFT_VOCAB_FILE, counts, size,
                             f"scripts/train_dflash.py draft-vocab --size {size}: the most frequent target argmax "
-                            f"labels over {int(counts.sum())} training positions ({len(shards)} shards)")
+                            f"labels over {int(counts.sum())} training positions ({len(files)} shards)")
     print(f"wrote {out / DRAFT_VOCAB_FILE}: {ids.size} ids covering {counts[ids].sum() / counts.sum():.4f} of labels")
-
-
-if __name__ == "__main__":
-    cli()

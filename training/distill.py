@@ -5,12 +5,12 @@ default: ONNX Runtime GenAI's int4 builder graph, kv_io "shared"), so labels and
 users actually run, not from the fp32 model the GGUF dequantizes to.
 
 ``generate`` continuously batches greedy decoding over training prompts (instruction conversations from
-scripts/corpus.py, some with a follow-up turn, and document continuations at long context) and writes two things:
+training/corpus.py, some with a follow-up turn, and document continuations at long context) and writes two things:
 
 - token shards under ``--corpus`` (committed: ids only, a few MB): ``shard_NNNNN.safetensors`` with ``ids`` uint16
   (all sequences concatenated), ``offsets`` int64 [n + 1], ``prompt_lens`` int32 [n], and metadata naming each
   sequence's source; ``manifest.json`` says how every shard was made (target graph, settings, seconds, tokens);
-- feature shards under ``--features`` (build outputs, never committed) in scripts/train_dflash.py's format:
+- feature shards under ``--features`` (build outputs, never committed) in training/shards.py's format:
   per sequence ``ids`` int32 [S], ``taps`` bf16 [S, len(taps) * hidden] (the target's ``aux_hidden_states``, i.e.
   hidden_states[id + 1]), ``labels`` int32 [S] (the target's argmax at each position), ``prompt_len`` (where
   the target's own greedy continuation starts) and, with ``--topk K`` (default 32), the target's K largest logits
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,9 +40,10 @@ import click
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.ort_engines import OrtTarget, bind_shared, run_shared  # noqa: E402
-from scripts.corpus import documents, instruction_conversations  # noqa: E402
+from runtime.ort_engines import OrtTarget, bind_shared, run_shared
+from training import shards
+from training.corpus import documents, instruction_conversations
+from training.shards import read_token_shard, write_token_shard
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -179,35 +179,6 @@ def _record(row: dict) -> dict:
     return rec
 
 
-def write_token_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int], sources: list[str],
-                      item_ids: list[int]) -> None:
-    """Write one token shard atomically (temp + rename): ids uint16, offsets int64, prompt_lens int32."""
-    from runtime.models.checkpoint_io import save_safetensors
-
-    ids = np.concatenate([np.asarray(s, np.int64) for s in seqs])
-    if ids.max() >= 2 ** 16:
-        raise ValueError("token ids do not fit uint16; store int32 for this vocabulary")
-    offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_safetensors({"ids": ids.astype(np.uint16), "offsets": offsets,
-                      "prompt_lens": np.asarray(prompt_lens, np.int32)},
-                     tmp, metadata={"sources": json.dumps(sources), "items": json.dumps(item_ids)}, mode_of=path)
-    tmp.replace(path)
-
-
-def read_token_shard(path: Path) -> tuple[list[list[int]], list[int], list[str]]:
-    """(sequences, prompt lengths, sources) of a token shard written by :func:`write_token_shard`."""
-    from safetensors import safe_open
-    from safetensors.numpy import load_file
-
-    t = load_file(str(path))
-    with safe_open(str(path), "np") as f:
-        meta = f.metadata()
-    off = t["offsets"]
-    seqs = [t["ids"][off[i]:off[i + 1]].astype(np.int64).tolist() for i in range(len(off) - 1)]
-    return seqs, t["prompt_lens"].tolist(), json.loads(meta["sources"])
-
-
 def _manifest(corpus: Path) -> dict:
     f = corpus / "manifest.json"
     return json.loads(f.read_text()) if f.exists() else {"format": "sharpdraft token corpus v1", "shards": []}
@@ -219,25 +190,6 @@ def _write_manifest(corpus: Path, man: dict) -> None:
     tmp.replace(corpus / "manifest.json")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli():
-    pass
-
-
-@cli.command()
-@click.option("--engine", "engine_dir", default="runs/eng_int4", type=click.Path(exists=True, path_type=Path),
-              help="an engines/ folder whose target is served (quantized, kv_io shared)")
-@click.option("--corpus", default=DEFAULT_CORPUS, type=click.Path(path_type=Path), show_default=True)
-@click.option("--features", "feat_dir", default=Path("runs/distill/data"), type=click.Path(path_type=Path),
-              show_default=True, help="feature shards for scripts/train_dflash.py (build output)")
-@click.option("--minutes", default=30.0, show_default=True)
-@click.option("--slots", default=12, show_default=True, help="sequences decoded together")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--doc-frac", default=0.35, show_default=True, help="fraction of items that are document continuations")
-@click.option("--seq-len", default=1280, show_default=True, help="longest sequence (prompt + reply)")
-@click.option("--new-tokens", default=256, show_default=True, help="most tokens generated per turn")
-@click.option("--topk", default=32, show_default=True, help="target logits kept per position (0: labels only)")
-@click.option("--threads", default=2)
 def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slots: int, seed: int, doc_frac: float,
              seq_len: int, new_tokens: int, topk: int, threads: int):
     """Greedy-decode training items with the served target; append token and feature shards (resumable)."""
@@ -279,9 +231,7 @@ def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slo
             write_token_shard(corpus / f"{name}.safetensors", seqs, [r["prompt_len"] for _, r in batch],
                               [it["source"] for it, _ in batch], [it["id"] for it, _ in batch])
             recs = [_record(r) for _, r in batch]
-            tmp = feat_dir / f".{name}.pt.tmp"
-            torch.save({"kind": "distill-int4", "seq_len": seq_len, "records": recs}, tmp)
-            tmp.replace(feat_dir / f"{name}.pt")
+            shards.write_feature_shard(feat_dir / f"{name}.pt", "distill-int4", seq_len, recs)
             items_done = sorted({it["id"] for it, r in batch if r.get("last_turn", True)})
             man["shards"].append({"file": f"{name}.safetensors", "settings": settings, "items": items_done,
                                   "sequences": len(seqs), "tokens": int(sum(len(s) for s in seqs)),
@@ -321,19 +271,12 @@ def generate(engine_dir: Path, corpus: Path, feat_dir: Path, minutes: float, slo
     flush(True)  # in-flight rows are dropped: their items run again on the next call
 
 
-@cli.command()
-@click.option("--engine", "engine_dir", default="runs/eng_int4", type=click.Path(exists=True, path_type=Path))
-@click.option("--corpus", default=DEFAULT_CORPUS, type=click.Path(exists=True, path_type=Path), show_default=True)
-@click.option("--features", "feat_dir", default=Path("runs/distill/data"), type=click.Path(path_type=Path),
-              show_default=True)
-@click.option("--topk", default=32, show_default=True, help="target logits kept per position (0: labels only)")
-@click.option("--threads", default=2)
 def features(engine_dir: Path, corpus: Path, feat_dir: Path, topk: int, threads: int):
     """Recompute feature shards from the token shards: one teacher-forced target pass per sequence (skips shards
     whose features exist)."""
     target, _ = load_served_target(engine_dir, threads)
     feat_dir.mkdir(parents=True, exist_ok=True)
-    for f in sorted(corpus.glob("shard_*.safetensors")):
+    for f in shards.token_shard_files(corpus):
         out = feat_dir / f"{f.name.split('.')[0]}.pt"
         if out.exists():
             continue
@@ -352,12 +295,6 @@ def features(engine_dir: Path, corpus: Path, feat_dir: Path, topk: int, threads:
                 if topk:
                     row["top"].append(top_logits(lg[0, :n], topk))
             recs.append(_record(row))
-        tmp = feat_dir / f".{out.name}.tmp"
-        torch.save({"kind": "distill-int4", "seq_len": max(len(s) for s in seqs), "records": recs}, tmp)
-        tmp.replace(out)
+        shards.write_feature_shard(out, "distill-int4", max(len(s) for s in seqs), recs)
         print(f"{out}: {len(recs)} sequences, {sum(len(s) for s in seqs)} tokens, {time.time() - t0:.0f}s",
               flush=True)
-
-
-if __name__ == "__main__":
-    cli()

@@ -3,8 +3,8 @@
 Data: the DFlash run's feature shards under ``runs/dflash/data`` (see scripts/train_dflash.py ``data``): per sequence
 (<= 512 tokens) the token ids, the target's argmax labels (labels[p] = the target's prediction of token p + 1) and the
 tapped target features hidden_states[2], hidden_states[15], hidden_states[28] concatenated ([len, 3 * 576] bf16).
-Nothing is recomputed. Train / validation split: the same crc32-of-token-ids hash split as the DFlash recipe
-(1 sequence in 40 is validation), so both drafters are validated on the same sequences.
+Nothing is recomputed. Train / validation split: the token-id hash split of every recipe (training/shards.py:
+1 sequence in 40 is validation), so the drafters are validated on the same sequences.
 
 Model: runtime/models/eagle3.py's Eagle3Drafter with the SmolLM2 geometry, a reduced draft vocabulary (the N most
 frequent target labels of the training split), the target's embedding borrowed (frozen, not in the checkpoint).
@@ -24,19 +24,17 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
-import zlib
 from pathlib import Path
 
-import click
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.train_common import cpu_autocast  # noqa: E402
-from runtime.models.dflash import rope_cos_sin  # noqa: E402
-from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3, save_eagle3  # noqa: E402
+from runtime.models.dflash import rope_cos_sin
+from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3, save_eagle3
+from training import shards
+from training.autocast import cpu_autocast
+from training.metrics import chain_accept
 
 SEQ_LEN = 512
 AUX_LAYER_IDS = [2, 15, 28]  # HF hidden_states indices stored in the DFlash shards (taps [1, 14, 27] + 1)
@@ -47,16 +45,10 @@ QUERY_SCALE = {"ref_keys": SEQ_LEN, "top_k": 32, "slope": 5.0, "cap": math.exp(0
 
 
 # ----------------------------------------------------------------------------------------------- data
-def load_shards(data_dir: Path, val_every: int = 40, min_len: int = 8) -> tuple[list[dict], list[dict]]:
-    """All records of all shards, split by a crc32 of their token ids (the DFlash recipe's split)."""
-    train_recs, val_recs = [], []
-    for f in sorted(data_dir.glob("shard_*.pt")):
-        for r in torch.load(f)["records"]:
-            if r["ids"].numel() < min_len:
-                continue
-            is_val = zlib.crc32(r["ids"].numpy().tobytes()) % val_every == 0
-            (val_recs if is_val else train_recs).append(r)
-    return train_recs, val_recs
+def load_shards(data_dir: Path, val_every: int = shards.VAL_EVERY, min_len: int = 8) -> tuple[list[dict], list[dict]]:
+    """All records of the feature shards under ``data_dir`` with at least ``min_len`` tokens, split into
+    ``(train, validation)`` by the hash of their token ids (training/shards.py, the split of every recipe)."""
+    return shards.load_feature_split(data_dir, val_every, min_len)
 
 
 def build_vocab(recs: list[dict], vocab_size: int, n: int) -> tuple[torch.Tensor, float]:
@@ -169,12 +161,6 @@ def ttt_loss(d, rec, steps, embed, lookup, advance=False):
     return total / max(wsum, 1e-9), torch.stack(correct), torch.stack(valid)
 
 
-def chain_accept(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Proxy accepted length per anchor (1 + leading run of correct steps) over anchors where every step is valid."""
-    full = valid.all(0)
-    return 1 + correct[:, full].long().cumprod(0).sum(0)
-
-
 # ----------------------------------------------------------------------------------------------- model
 def make_config(tc, draft_vocab: int) -> Eagle3Config:
     raw = {
@@ -253,27 +239,8 @@ def init_drafter(path: Path, target, draft_ids: torch.Tensor) -> Eagle3Drafter:
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli():
-    pass
 
 
-@cli.command()
-@click.option("--data", "data_dir", default="runs/dflash/data", type=click.Path(path_type=Path))
-@click.option("--work", default="runs/eagle3", type=click.Path(path_type=Path))
-@click.option("--minutes", default=45.0, help="wall-clock budget for this call")
-@click.option("--draft-vocab", default=8192)
-@click.option("--steps", "ttt_steps", default=3, help="TTT steps: 1 teacher-forced + (steps - 1) unrolled")
-@click.option("--val-steps", default=5)
-@click.option("--lr", default=1e-3)
-@click.option("--seqs-per-step", default=2)
-@click.option("--save-minutes", default=8.0)
-@click.option("--max-steps", default=0, help="stop after this many optimiser steps (0: no limit; for smoke tests)")
-@click.option("--val-every", default=40, help="1 sequence in this many (by token-id hash) is validation")
-@click.option("--threads", default=2)
-@click.option("--init-from", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="start from this EAGLE-3 checkpoint folder (its weights and draft vocabulary; a fresh optimizer) "
-                   "instead of the target's layer; ignored when --work holds a checkpoint to resume")
 def train(data_dir: Path, work: Path, minutes: float, draft_vocab: int, ttt_steps: int, val_steps: int, lr: float,
           seqs_per_step: int, save_minutes: float, max_steps: int, val_every: int, threads: int,
           init_from: Path | None):
@@ -407,11 +374,6 @@ def _checkpoint(d, opt, state, draft_ids, ckpt_path):
     tmp.replace(ckpt_path)
 
 
-@cli.command()
-@click.option("--data", "data_dir", default="runs/dflash/data", type=click.Path(path_type=Path))
-@click.option("--work", default="runs/eagle3", type=click.Path(path_type=Path))
-@click.option("--steps", default=7, help="chain depth evaluated")
-@click.option("--threads", default=2)
 def evaluate(data_dir: Path, work: Path, steps: int, threads: int):
     """Validation proxy of the checkpoint in both layouts (positions held = training; advanced = chain inference)."""
     from runtime.models.target import load_target
@@ -431,9 +393,6 @@ def evaluate(data_dir: Path, work: Path, steps: int, threads: int):
     (work / "eval_val.json").write_text(json.dumps(res, indent=1))
 
 
-@cli.command()
-@click.option("--work", default="runs/eagle3", type=click.Path(path_type=Path))
-@click.option("--out", default="drafters/eagle3-smollm2-135m", type=click.Path(path_type=Path))
 def save(work: Path, out: Path):
     """Write the checkpoint in the official EAGLE-3 layout (bf16 safetensors) and check it loads strictly."""
     ck = torch.load(work / "ckpt.pt")
@@ -453,7 +412,3 @@ def save(work: Path, out: Path):
         assert torch.equal(v, ref.state_dict()[k]), k
     size = (out / "model.safetensors").stat().st_size
     print(f"wrote {out}: {size / 1e6:.1f} MB; load_eagle3 strict OK", flush=True)
-
-
-if __name__ == "__main__":
-    cli()

@@ -10,7 +10,7 @@ ratio 0.7^c (floor 0.2).
 
 Here: K = 8 (7 mask copies), sequences of at most 512 tokens, reusing the DFlash feature shards under
 ``runs/dflash/data`` (only their token ids and target argmax labels; the tapped features are ignored), split into
-train/validation by a CRC32 hash of the token ids exactly as ``scripts/train_dflash.py`` does. Labels are the
+train/validation by the hash of the token ids of every recipe (training/shards.py). Labels are the
 target's argmax at each position (``--labels argmax``, the default; on self-distilled continuations this is the
 next token itself) or the real next token (``--labels tokens``, PARD's original).
 
@@ -31,18 +31,16 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
-import zlib
 from pathlib import Path
 
-import click
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.train_common import compute_dtype, cpu_autocast  # noqa: E402
+from training import shards
+from training.autocast import compute_dtype, cpu_autocast
+from training.metrics import accept_len
 
 SEQ_LEN = 512
 K = 8  # drafts per forward: the last real token's row + K-1 mask rows
@@ -178,16 +176,12 @@ def slot_table(out: dict, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return out["correct"][g] & present, out["valid"][g] & present
 
 
-def accept_len(correct: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced proxy accepted length per anchor: 1 + leading run of correct drafts. [A, K] -> [A]."""
-    return 1 + correct.long().cumprod(-1).sum(-1)
-
-
 # ----------------------------------------------------------------------------------------------- data
-def load_sequences(work: Path, src: Path, val_every: int = 40, corpus: Path | None = None,
+def load_sequences(work: Path, src: Path, val_every: int = shards.VAL_EVERY, corpus: Path | None = None,
                    max_len: int = SEQ_LEN) -> tuple[list[dict], list[dict]]:
-    """Token ids + labels of every sequence, split by CRC32 of the ids (as train_dflash), each cut to its last
-    ``max_len`` tokens (where a self-distilled sequence keeps the target's own continuation).
+    """Token ids + labels of every sequence, split by the hash of the ids (training/shards.py, the split of every
+    recipe), each cut to its last ``max_len`` tokens (where a self-distilled sequence keeps the target's own
+    continuation).
 
     Sources: the DFlash feature shards under ``src/data`` (ids and the target's argmax labels; the tapped features
     are not kept), or with ``corpus`` a token corpus (``corpora/smollm2-135m-int4``: ids only, written by
@@ -195,9 +189,8 @@ def load_sequences(work: Path, src: Path, val_every: int = 40, corpus: Path | No
     the prompt's positions carry -100 and are not trained on). Cached in ``work/sequences.pt`` (ids and labels only).
     """
     cache = work / "sequences.pt"
-    shards = sorted(corpus.glob("shard_*.safetensors")) if corpus is not None else sorted((src / "data").glob(
-        "shard_*.pt"))
-    key = {"shards": [f.name for f in shards], "max_len": max_len}
+    files = shards.token_shard_files(corpus) if corpus is not None else shards.feature_shard_files(src / "data")
+    key = {"shards": [f.name for f in files], "max_len": max_len}
     if cache.exists():
         c = torch.load(cache)
         if c["shards"] == key["shards"] and c.get("max_len", SEQ_LEN) == max_len:
@@ -205,24 +198,21 @@ def load_sequences(work: Path, src: Path, val_every: int = 40, corpus: Path | No
     train_recs, val_recs = [], []
 
     def add(ids: torch.Tensor, labels: torch.Tensor, kind: str) -> None:
-        if ids.numel() <= 10:  # as train_dflash (BLOCK + 2)
+        if ids.numel() <= 10:  # as the DFlash recipe (BLOCK + 2)
             return
         rec = {"ids": ids[-max_len:].clone(), "labels": labels[-max_len:].clone(), "kind": kind}
-        is_val = zlib.crc32(ids.numpy().tobytes()) % val_every == 0
-        (val_recs if is_val else train_recs).append(rec)
+        (val_recs if shards.is_validation(ids, val_every) else train_recs).append(rec)
 
-    if corpus is not None:
-        from scripts.distill import read_token_shard
-    for f in shards:
+    for f in files:
         if corpus is not None:
-            seqs, prompt_lens, _ = read_token_shard(f)
+            seqs, prompt_lens, _ = shards.read_token_shard(f)
             for seq, plen in zip(seqs, prompt_lens):
                 t = torch.tensor(seq, dtype=torch.int32)
                 labels = t[1:].clone()
                 labels[: max(int(plen) - 1, 0)] = -100  # prompt text: not the target's choice, not trained on
                 add(t[:-1], labels, "corpus")
             continue
-        s = torch.load(f)
+        s = shards.read_feature_shard(f)
         for r in s["records"]:
             add(r["ids"], r["labels"], s["kind"])
         del s
@@ -281,9 +271,6 @@ def validate_recs(d: PardDrafter, recs: list[dict], table, lm_head, labels_mode:
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli():
-    pass
 
 
 def _target_tables():
@@ -299,27 +286,6 @@ def _write_log(work: Path, state: dict, extra: dict | None = None) -> None:
     (work / "training_log.json").write_text(json.dumps({**(extra or {}), **state}, indent=1))
 
 
-@cli.command()
-@click.option("--work", default="runs/pard", type=click.Path(path_type=Path))
-@click.option("--src", default="runs/dflash", type=click.Path(path_type=Path), help="DFlash shards to reuse")
-@click.option("--minutes", default=40.0, help="wall-clock budget for this call (validation included)")
-@click.option("--init", "init_mode", default="auto", type=click.Choice(["auto", "first", "last"]),
-              help="target layers to initialise from; auto = lower validation loss at step 0")
-@click.option("--labels", "labels_mode", default="argmax", type=click.Choice(["argmax", "tokens"]))
-@click.option("--lr", default=1e-3)
-@click.option("--warmup", default=30)
-@click.option("--seqs-per-step", default=1)
-@click.option("--trial-steps", default=30, help="steps per init candidate when --init auto")
-@click.option("--save-minutes", default=4.0)
-@click.option("--val-seqs", default=24, help="validation sequences checked at each checkpoint")
-@click.option("--threads", default=2)
-@click.option("--corpus", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="train on a token corpus (scripts/distill.py shards, e.g. corpora/smollm2-135m-int4) instead of "
-                   "--src's feature shards; labels are the target's continuations (prompt positions ignored)")
-@click.option("--max-len", default=SEQ_LEN, show_default=True, type=click.IntRange(min=16),
-              help="each sequence is cut to its last this many tokens; the saved profile's ref_keys")
-@click.option("--init-from", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="start from a saved PARD drafter folder (fresh optimizer) instead of target layers")
 def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: str, lr: float, warmup: int,
           seqs_per_step: int, trial_steps: int, save_minutes: float, val_seqs: int, threads: int,
           corpus: Path | None, max_len: int, init_from: Path | None):
@@ -477,9 +443,6 @@ def load_pard_folder(path: Path) -> PardDrafter:
     return d
 
 
-@cli.command()
-@click.option("--work", default="runs/pard", type=click.Path(path_type=Path))
-@click.option("--out", default="drafters/pard-smollm2-135m", type=click.Path(path_type=Path))
 def save(work: Path, out: Path):
     """Write config.json + model.safetensors (bf16, HF Llama keys + mask_embedding) + training_log.json."""
     from runtime.models.checkpoint_io import save_safetensors
@@ -504,15 +467,7 @@ def save(work: Path, out: Path):
     print(f"wrote {out} ({size / 1e6:.1f} MB, {sum(t.numel() for t in tensors.values()) / 1e6:.2f} M params)")
 
 
-@cli.command()
-@click.option("--work", default="runs/pard", type=click.Path(path_type=Path))
-@click.option("--src", default="runs/dflash", type=click.Path(path_type=Path))
-@click.option("--drafter", default=None, type=click.Path(path_type=Path),
-              help="a saved drafter folder (default: the training checkpoint)")
-@click.option("--max-seqs", default=0, help="0 = all validation sequences")
-@click.option("--labels", "labels_mode", default="argmax", type=click.Choice(["argmax", "tokens"]))
-@click.option("--threads", default=2)
-def validate(work: Path, src: Path, drafter: Path | None, max_seqs: int, labels_mode: str, threads: int):
+def validate_checkpoint(work: Path, src: Path, drafter: Path | None, max_seqs: int, labels_mode: str, threads: int):
     """Teacher-forced validation loss, proxy MAL and per-slot accuracy on the held-out (hash-split) sequences."""
     from transformers import LlamaConfig
 
@@ -528,7 +483,3 @@ def validate(work: Path, src: Path, drafter: Path | None, max_seqs: int, labels_
     recs = val_recs[:max_seqs] if max_seqs else val_recs
     print(json.dumps({"drafter": str(drafter or work / "ckpt.pt"), **validate_recs(d, recs, table, lm_head,
                                                                                   labels_mode)}))
-
-
-if __name__ == "__main__":
-    cli()

@@ -270,7 +270,7 @@ def test_query_scale_off_request_runs_lossless(engine):
 def test_generate_rotates_configurations_and_reports_the_median_run():
     from types import SimpleNamespace
 
-    from runtime.generate import rotated_runs
+    from runtime.benchmarking import rotated_runs
 
     order, speeds = [], {"base": iter([10.0, 30.0, 20.0]), "spec": iter([5.0, 7.0, 6.0]), "plain": iter([1.0] * 3)}
 

@@ -1,14 +1,11 @@
 """scripts/bench_draft_length.py: configuration names and the per-kind summary."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from runtime.draft_length import DraftConfidence  # noqa: E402
-from scripts.bench_draft_length import parse_config, prompt_kind, summarise  # noqa: E402
+from runtime.draft_length import DraftConfidence
+from scripts.bench_draft_length import parse_config, prompt_kind, summarise
 
 
 def test_config_names():

@@ -92,8 +92,7 @@ def test_rounds_rotate_and_only_keeps_the_baseline(tiny_engines, tmp_path):
 
 
 def test_merge_rounds_takes_medians_and_refuses_differing_tokens():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_table1 as bt
+    from scripts import bench_table1 as bt
 
     def run(t, toks, rss):
         row = {k: t for k in bt.TIMINGS} | {"token_ids": toks, "mal": 2.0}

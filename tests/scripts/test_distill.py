@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from training.corpus import (HELDOUT_HUMANEVAL, HELDOUT_MODULES, HELDOUT_PLAYS, humaneval,
+                             instruction_conversations, plays)
+from training.distill import BatchDecoder
+from training.shards import read_token_shard, write_token_shard
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from scripts.corpus import (HELDOUT_HUMANEVAL, HELDOUT_MODULES, HELDOUT_PLAYS, humaneval,  # noqa: E402
-                            instruction_conversations, plays)
-from scripts.distill import BatchDecoder, read_token_shard, write_token_shard  # noqa: E402
 
 
 def test_token_shard_round_trip(tmp_path):

@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.eval_heldout import CALLS, heldout_summary, main, table_row  # noqa: E402
+from scripts.eval_heldout import CALLS, heldout_summary, main, table_row
 
 DOCS = ["hamlet", "othello", "macbeth", "argparse.py", "typing.py", "subprocess.py"]
 

@@ -1,12 +1,9 @@
-"""scripts/train_common.py: bf16 autocast only where the CPU runs bf16 natively, with an override."""
-import sys
-from pathlib import Path
+"""training/autocast.py: bf16 autocast only where the CPU runs bf16 natively, with an override."""
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.train_common import bf16_is_native, compute_dtype, cpu_autocast, use_bf16  # noqa: E402
+from training.autocast import bf16_is_native, compute_dtype, cpu_autocast, use_bf16
 
 
 @pytest.mark.parametrize("env,bf16", [("bf16", True), ("off", False), ("OFF", False)])

@@ -1,17 +1,15 @@
-"""DFlash training layout (scripts/train_dflash.py): dense mask, equivalence of the batched training forward with
+"""DFlash training layout (training/dflash.py; its command line scripts/train_dflash.py): dense mask, equivalence of the batched training forward with
 the inference draft step, and the draft-vocabulary loss."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from runtime.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from scripts.train_dflash import (BLOCK, P1_EDGES, accept_len, block_hidden, block_loss,  # noqa: E402
-                                  confidence_counts, dense_mask, greedy_chain_mask, soft_ce)
+from runtime.models.dflash import DFlashConfig, DFlashDrafter
+from training.dflash import (BLOCK, P1_EDGES, block_hidden, block_loss, confidence_counts, dense_mask,
+                             greedy_chain_mask, soft_ce)
+from training.metrics import accept_len
 
 VOCAB, HIDDEN, SEQ = 97, 32, 40
 
@@ -159,7 +157,7 @@ def test_accept_len(row, expected):
 def test_distill_prompts_long_and_default():
     import random
 
-    from scripts.train_dflash import distill_prompts
+    from training.dflash import distill_prompts
 
     windows = [list(range(i * 1000, i * 1000 + 900)) for i in range(5)]
     chat = [[-7] * 2000, [-8] * 30]
@@ -176,7 +174,7 @@ def test_distill_prompts_long_and_default():
 
 
 def test_training_profile_sets_ref_keys_to_training_length():
-    from scripts.train_dflash import training_profile
+    from training.dflash import training_profile
 
     prof = training_profile({"ref_keys": 512, "top_k": 16, "slope": 3.0, "cap": 1.5, "enabled": True}, 1280)
     assert prof == {"ref_keys": 1280, "top_k": 16, "slope": 3.0, "cap": 1.5, "enabled": True}
@@ -224,7 +222,7 @@ def test_save_best_keeps_extra_config_and_previous_log(tmp_path):
 def test_sample_anchors_from_the_generated_part():
     import random
 
-    from scripts.train_dflash import sample_anchors
+    from training.dflash import sample_anchors
 
     rec = {"ids": torch.zeros(100, dtype=torch.int32), "prompt_len": 70}
     rng = random.Random(0)
@@ -283,7 +281,7 @@ def test_grown_drafter_drafts_as_before_until_trained():
     import copy
     from types import SimpleNamespace
 
-    from scripts.train_dflash import grow_drafter
+    from training.dflash import grow_drafter
 
     d = _drafter()
     # the new layers copy the target's last decoder layer; a drafter layer has the same projections and norms
@@ -313,7 +311,7 @@ def test_walk_rounds_replays_the_loop_and_equals_a_real_greedy_loop(monkeypatch)
 
     monkeypatch.setenv("SHARPDRAFT_TRAIN_AUTOCAST", "off")
 
-    from scripts.train_dflash import sample_anchors, walk_rounds
+    from training.dflash import sample_anchors, walk_rounds
 
     d, rec = _drafter(), _record(4)
     g = torch.Generator().manual_seed(2)
@@ -348,7 +346,7 @@ def test_walk_rounds_replays_the_loop_and_equals_a_real_greedy_loop(monkeypatch)
 def test_tables_from_a_folder_that_is_not_an_engine_is_a_usage_error(tmp_path):
     import click
 
-    from scripts.train_dflash import engine_tables
+    from training.dflash import engine_tables
 
     with pytest.raises(click.UsageError, match="--tables-from"):
         engine_tables(tmp_path, torch.Size([VOCAB, HIDDEN]))

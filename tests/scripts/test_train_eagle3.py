@@ -1,16 +1,13 @@
-"""EAGLE-3 training-time-test layout (scripts/train_eagle3.py): mask, label alignment, equivalence with chain drafting."""
+"""EAGLE-3 training-time-test layout (training/eagle3.py): mask, label alignment, equivalence with chain drafting."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
-from scripts.train_eagle3 import (chain_accept, ttt_forward, ttt_loss, ttt_mask, ttt_targets,  # noqa: E402
-                                  vocab_buffers)
+from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter
+from training.eagle3 import ttt_forward, ttt_loss, ttt_mask, ttt_targets, vocab_buffers
+from training.metrics import chain_accept
 
 
 def test_mask_hand_example():
@@ -119,7 +116,7 @@ def test_init_from_an_earlier_checkpoint_keeps_its_weights_under_a_new_draft_voc
     from types import SimpleNamespace
 
     from runtime.models.eagle3 import load_eagle3, save_eagle3
-    from scripts.train_eagle3 import init_drafter, make_config
+    from training.eagle3 import init_drafter, make_config
 
     tc = SimpleNamespace(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                          rms_norm_eps=1e-5, max_position_embeddings=256, vocab_size=40)

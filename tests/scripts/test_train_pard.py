@@ -1,15 +1,12 @@
-"""PARD training layout (scripts/train_pard.py): mask, COD nesting, label alignment, equivalence with inference."""
+"""PARD training layout (training/pard.py): mask, COD nesting, label alignment, equivalence with inference."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.train_pard import (K, PardDrafter, accept_len, cod_depths, pard_forward, pard_layout,  # noqa: E402
-                                slot_table)
+from training.metrics import accept_len
+from training.pard import K, PardDrafter, cod_depths, pard_forward, pard_layout, slot_table
 
 
 def _rows(lay):
@@ -110,8 +107,8 @@ def test_token_corpus_sequences_train_on_the_continuation_only(tmp_path):
     """--corpus: ids = the sequence but its last token, label at p = token p + 1 on the target's continuation
     (positions before the prompt's last token are -100), cut to the last --max-len tokens; the cache is keyed by
     the shards and max_len."""
-    from scripts.distill import write_token_shard
-    from scripts.train_pard import load_sequences
+    from training.pard import load_sequences
+    from training.shards import write_token_shard
 
     seqs = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(50)]  # 50 sequences of 40 ids
     write_token_shard(tmp_path / "shard_00000.safetensors", seqs, [25] * 50, ["test"] * 50, list(range(50)))
