@@ -116,13 +116,17 @@ class SpecEngine:
             top-1 probabilities stays >= its threshold (runtime/draft_length.py); the ceiling is the request's
             num_draft_tokens, else ``draft_tokens_by_batch``, else the drafter's K (not ``default_draft_tokens``).
             None = a fixed k per round.
+        batch_invariant_seeds: draft each seeded sampled row in a drafter call of its own (:meth:`_draft_groups`),
+            so that at a fixed k a seeded request emits the same tokens alone, as choice i of n, or beside other
+            requests; False drafts every row in one call (one drafter call per round, whatever the seeds).
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
                  check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None,
                  proposable_vocab: int | None = None, default_draft_tokens: int | None = None,
                  draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False,
-                 prompt_lookup: PromptLookup | None = None, draft_confidence: DraftConfidence | None = None):
+                 prompt_lookup: PromptLookup | None = None, draft_confidence: DraftConfidence | None = None,
+                 batch_invariant_seeds: bool = True):
         check_backend(target, TargetBackend)
         if drafter is not None:
             check_backend(drafter, DrafterBackend)
@@ -142,6 +146,7 @@ class SpecEngine:
         self.adaptive_draft_tokens = adaptive_draft_tokens
         self.prompt_lookup = prompt_lookup if drafter is not None else None
         self.draft_confidence = draft_confidence
+        self.batch_invariant_seeds = batch_invariant_seeds
         self.adapter = None  # online draft adaptation (runtime/online_adapt.py attach); torch backend only
         self._rounds = 0
         self.manifest = manifest
@@ -393,8 +398,8 @@ class SpecEngine:
                         qs[i] = np.zeros((len(d), self.target.vocab_size), np.float64)  # a copy is certain: q one-hot
                         qs[i][np.arange(len(d)), d] = 1.0
         drafting = [i for i, k in enumerate(ks) if k > 0 and i not in looked_up]
-        if drafting:
-            rows = [seqs[i] for i in drafting]
+        for group in self._draft_groups(seqs, drafting):
+            rows = [seqs[i] for i in group]
             kind = self.drafter.context
             if kind == DrafterContext.TOKENS:  # PARD: committed token ids
                 contexts = [np.asarray(s.prompt_ids + s.out[:-1], np.int64) for s in rows]
@@ -403,13 +408,13 @@ class SpecEngine:
             else:  # DFlash: target features of the positions the drafter has not cached
                 contexts = [s.pending_ctx for s in rows]
             args = ([s.drafter_cache for s in rows], [s.out[-1] for s in rows], contexts)
-            kw = {"num_tokens": max(ks[i] for i in drafting)}  # the drafter may skip slots nobody verifies
+            kw = {"num_tokens": max(ks[i] for i in group)}  # the drafter may skip slots nobody verifies
             if not all(s.params.query_scale for s in rows):
                 kw["query_scale"] = [s.params.query_scale for s in rows]
             logits = self.drafter.draft(*args, **kw)
             if self.draft_confidence is not None:  # softmax over the draft vocabulary's columns only
                 support = self.drafter.draft_ids if getattr(self.drafter, "draft_vocab_enabled", False) else None
-            for i, s, lg in zip(drafting, rows, logits):
+            for i, s, lg in zip(group, rows, logits):
                 s.pending_ctx = s.pending_ctx[:0]
                 if self.draft_confidence is not None:
                     ks[i] = self.draft_confidence.length(top1_probabilities(lg[: ks[i]], support))
@@ -461,6 +466,26 @@ class SpecEngine:
         for s in seqs:
             s.stats.decode_s += dt
         return emitted
+
+    def _draft_groups(self, seqs: list[Sequence], drafting: list[int]) -> list[list[int]]:
+        """The drafter calls of a round: one over ``drafting`` (row indices into ``seqs``), except that with
+        ``batch_invariant_seeds`` each seeded sampled row is drafted in a call of its own.
+
+        Why: the drafter graph's logits depend slightly on the rows beside a row (padding to the longest cache and
+        context changes the reduction order; the int8 drafter's activation quantization magnifies 1e-5 into 0.1),
+        and a sampled draft token or acceptance test can flip on that, so a seeded request would not repeat its
+        solo output inside a batch. Alone, its drafter call has the shapes of its solo run, bit for bit; the
+        target's verify rows do not depend on their neighbours (shared-buffer graphs; tested). Greedy rows need
+        no such care (their output is the target's, whatever was drafted). Online adaptation reads one call's
+        examples per round, so it keeps one call.
+        """
+        if not drafting:
+            return []
+        if not self.batch_invariant_seeds or self.adapter is not None:
+            return [drafting]
+        alone = [i for i in drafting if seqs[i].params.seed is not None and not seqs[i].params.greedy]
+        rest = [i for i in drafting if i not in alone]
+        return ([rest] if rest else []) + [[i] for i in alone]
 
     def _draft_logits(self, logits: np.ndarray, k: int) -> np.ndarray:
         """The drafter's logits ``[K, V_drafter]`` as ``[k, V_target]`` f32 with padding ids at -inf.

@@ -11,10 +11,31 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from runtime.sampling import SEED_MAX, SEED_MIN
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
                429: "rate_limit_error"}
+
+
+def check_text(value, where: str):
+    """Refuse text that is not valid Unicode: JSON can carry a lone UTF-16 surrogate (``"\\ud800"``), which no
+    tokenizer can encode. ``value``: a str, or a list of them (other values pass through). Returns ``value``.
+
+    Raises:
+        ValueError: names ``where``, the character index and what to send instead (pydantic makes it a 400).
+    """
+    for i, text in enumerate([value] if isinstance(value, str) else value if isinstance(value, list) else []):
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            at = f"{where}[{i}]" if isinstance(value, list) else where
+            raise ValueError(f"{at} is not valid Unicode: a lone UTF-16 surrogate ({text[e.start]!a}) at character "
+                             f"{e.start}; send well-formed text (surrogates only in high-low pairs)") from None
+    return value
 
 
 class CommonRequest(BaseModel):
@@ -27,7 +48,7 @@ class CommonRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # choice i of n draws with seed + i (sampling.py)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False
@@ -45,6 +66,11 @@ class CommonRequest(BaseModel):
     # sharpdraft extension: false = this request drafts with beta = 1 (the frozen drafter)
     query_scale: bool = Field(True, strict=True)
 
+    @field_validator("stop")
+    @classmethod
+    def _valid_stop(cls, v):
+        return check_text(v, "stop")
+
 
 class CompletionRequest(CommonRequest):
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo + logprobs), as lm-eval does
@@ -61,7 +87,7 @@ class CompletionRequest(CommonRequest):
             v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("prompt is empty: give text or at least one token id")
-        return v
+        return check_text(v, "prompt")
 
 
 class ChatMessage(BaseModel):
@@ -69,6 +95,22 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _valid_content(self):
+        # OpenAI takes a null content only from the assistant (a message that carried tool calls); elsewhere it is
+        # a 400, as here
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts), got null")
+        if isinstance(self.content, list):
+            for part in self.content:
+                check_text(part.get("text"), "content part text")
+        return self
+
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, v):
+        return check_text(v, "content") if isinstance(v, str) else v
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -97,7 +139,7 @@ def usage(prompt_len: int, n: int) -> dict[str, int]:
 
 def sse(obj: dict | str) -> str:
     """One server-sent event (``data: ...`` and a blank line)."""
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
 
 
 MAX_N = 16  # choices per request (each is a sequence in the batch)

@@ -38,6 +38,8 @@ import math
 
 import numpy as np
 
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1  # a request's seed: signed 64-bit, as OpenAI and vLLM accept
+
 from runtime.modes import Verification
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (one definition for drafting, verification and bonus)
@@ -109,8 +111,9 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             bad(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or self.seed < 0):
-            bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad(f"seed must be an integer in [-2**63, 2**63 - 1] (a signed 64-bit seed, as OpenAI and vLLM take) "
+                f"or None, got {self.seed!r}")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -128,8 +131,16 @@ class SamplingParams:
         return is_greedy(self.temperature)
 
     def make_rng(self) -> np.random.Generator:
-        """This request's random stream: PCG64 from ``seed``, or from OS entropy when ``seed`` is None."""
-        return np.random.Generator(np.random.PCG64(self.seed))
+        """This request's random stream: PCG64 from ``seed`` taken modulo 2**64 (a negative seed s and s + 2**64
+        name one stream; seeds 0..2**63 - 1 are PCG64's own), or from OS entropy when ``seed`` is None."""
+        return np.random.Generator(np.random.PCG64(None if self.seed is None else self.seed % 2 ** 64))
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice ``i`` of a request with ``n`` > 1 choices: ``seed + i``, wrapped into the signed 64-bit
+    range (``2**63 - 1`` + 1 is ``-2**63``), so every choice of a valid seed is a valid seed and choice ``i`` equals
+    an ``n: 1`` request sent with that seed. None stays None (fresh entropy per choice)."""
+    return None if seed is None else (seed + i - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
 def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -195,17 +206,27 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+LOGPROB_FLOOR = -9999.0  # what a token of zero processed probability reports (OpenAI's floor): JSON has no -inf
+
+
 def token_logprob(logits: np.ndarray, token_id: int, params: SamplingParams) -> TokenLogprob:
-    """:class:`TokenLogprob` of ``token_id`` under the processed distribution of ``logits`` ``[vocab]``;
-    ``params.logprobs`` alternatives."""
+    """:class:`TokenLogprob` of ``token_id`` under the processed distribution of ``logits`` ``[vocab]``, with up to
+    ``params.logprobs`` alternatives; every value finite, so that it can be sent as JSON.
+
+    Sampled rows with ``top_k`` / ``top_p`` give the tokens they cut probability 0: those are left out of ``top``
+    (which then holds fewer than ``params.logprobs`` entries, as vLLM does for processed logprobs), and if
+    ``token_id`` itself is one of them (a prompt token scored by ``prompt_logprobs``, never a sampled one) its
+    logprob is ``LOGPROB_FLOOR`` (-9999.0, OpenAI's value for such tokens), not -inf.
+    """
     lp = processed_logprobs(logits, params)
     n = params.logprobs or 0
     top = ()
     if n:
         idx = np.argpartition(-lp, n - 1)[:n]
         idx = idx[np.lexsort((idx, -lp[idx]))]
-        top = tuple((int(i), float(lp[i])) for i in idx)
-    return TokenLogprob(int(token_id), float(lp[token_id]), top)
+        top = tuple((int(i), float(lp[i])) for i in idx if np.isfinite(lp[i]))
+    value = float(lp[token_id])
+    return TokenLogprob(int(token_id), value if np.isfinite(value) else LOGPROB_FLOOR, top)
 
 
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -44,7 +44,7 @@ from runtime.prompt_lookup import PromptLookup
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 from runtime.protocol import (ChatMessage, ChatRequest, ChatShape, CommonRequest, CompletionRequest,  # noqa: F401
                               CompletionShape, error_body, sse, usage)
-from runtime.sampling import MAX_LOGPROBS, SamplingParams
+from runtime.sampling import MAX_LOGPROBS, SamplingParams, choice_seed
 from runtime.server_metrics import ServerMetrics
 from runtime.stops import TextDeltas
 
@@ -166,11 +166,12 @@ class OpenAIServing:
 
     @staticmethod
     def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
-        """The engine requests of ``n`` choices: choice i draws with seed ``seed + i`` (seeded requests are
+        """The engine requests of ``n`` choices: choice i draws with seed ``seed + i`` (wrapped into the signed
+        64-bit range: :func:`runtime.sampling.choice_seed`; seeded requests are
         reproducible choice by choice). Greedy choices are identical, so one is decoded and copied."""
         if n == 1 or params.greedy:
             return [params]
-        return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+        return [dataclasses.replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
 
     def ab(self, params: SamplingParams) -> dict:
         """The A/B switches this request ran with (echoed in the response's ``sharpdraft`` block)."""
