@@ -348,9 +348,10 @@ def soft_ce(logits: torch.Tensor, rec: dict, pos: torch.Tensor, label_map: torch
 
 
 def load_shards(work: Path, val_every: int = shards.VAL_EVERY) -> tuple[list[dict], list[dict]]:
-    """All records of the feature shards under ``work/data`` longer than ``BLOCK + 2`` tokens, split into
-    ``(train, validation)`` by the hash of their token ids (training/shards.py: stable when shards are added)."""
-    return shards.load_feature_split(work / "data", val_every, min_len=BLOCK + 3)
+    """All records of the feature shards under ``work/data`` of at least ``shards.MIN_TOKENS`` (BLOCK + 3) tokens,
+    split into ``(train, validation)`` by the hash of their token ids (training/shards.py: stable when shards are
+    added)."""
+    return shards.load_feature_split(work / "data", val_every, min_len=shards.MIN_TOKENS)
 
 
 def train(work: Path, minutes: float, layers: int, lr: float, seqs_per_step: int, anchors: int, save_every: int,

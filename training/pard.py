@@ -198,7 +198,7 @@ def load_sequences(work: Path, src: Path, val_every: int = shards.VAL_EVERY, cor
     train_recs, val_recs = [], []
 
     def add(ids: torch.Tensor, labels: torch.Tensor, kind: str) -> None:
-        if ids.numel() <= 10:  # as the DFlash recipe (BLOCK + 2)
+        if ids.numel() < shards.MIN_TOKENS:
             return
         rec = {"ids": ids[-max_len:].clone(), "labels": labels[-max_len:].clone(), "kind": kind}
         (val_recs if shards.is_validation(ids, val_every) else train_recs).append(rec)

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 VAL_EVERY = 40  # 1 sequence in 40 is validation
+MIN_TOKENS = 11  # the shortest record the DFlash and PARD recipes use (a DFlash block of 8 plus 3), so both see the
+#                  same sequences; EAGLE-3 takes records from 8 tokens on
 
 
 def is_validation(ids: torch.Tensor, val_every: int = VAL_EVERY) -> bool:
