@@ -1,16 +1,18 @@
-"""How the project times things, in one place: the rotated run order, the median run, the geo-mean of ratios, and
-one request timed step by step.
+"""How the project times things, in one place: the rotated run order, the median run, the geo-mean of ratios,
+one request timed step by step, and the plots' figure and file.
 
 On a shared 2-core machine the speed drifts within a run; every benchmark runs its configurations one after another
 on each prompt (or round), in an order that rotates so that none always runs first, on a cold or a warm machine,
 and reports ratios per prompt, geo-meaned. ``python -m runtime.generate`` (the demo's medians of rotated runs) and
 the benchmarks under scripts/ use these; it lives in runtime/ because runtime.generate does (runtime imports only
-plugins/), and it needs nothing but the standard library and the loop.
+plugins/), and it needs nothing but the standard library, the loop and (for plots, imported when drawing)
+matplotlib.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Iterable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -55,6 +57,26 @@ def geomean_ratio(pairs: Iterable[tuple[float, float]]) -> float:
     """The geometric mean of ``a / b`` over ``(a, b)`` pairs (a speedup per prompt, then one figure over them; the
     geo-mean is the mean that treats 2x and 0.5x as cancelling)."""
     return statistics.geometric_mean(a / b for a, b in pairs)
+
+
+def figure(ncols: int = 2, size: tuple[float, float] = (11, 4)):
+    """``(fig, axes)``: a headless (Agg) matplotlib figure with ``ncols`` axes side by side (1: one axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=size)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (PNG, 110 dpi, as every benchmark plot) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run_timed(engine, ids: list[int], new_tokens: int, speculative: bool, num_draft_tokens: int | None = None,

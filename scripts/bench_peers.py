@@ -39,7 +39,7 @@ from pathlib import Path
 
 import click
 
-from runtime.benchmarking import geomean_ratio, rotated
+from runtime.benchmarking import figure, geomean_ratio, rotated, save_figure
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 from training.corpus import HELDOUT_DOCUMENTS
 
@@ -150,14 +150,9 @@ def headline(result: dict) -> dict:
 
 
 def _plot(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summ = result["summary"]
     groups = list(summ)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    fig, axes = figure(2, (13, 4.4))
     width = 0.8 / len(result["configs"])
     for j, c in enumerate(result["configs"]):
         axes[0].bar([i + j * width for i in range(len(groups))], [summ[g][c]["decode_tokens_per_s"] for g in groups],
@@ -175,10 +170,7 @@ def _plot(result: dict, path: Path) -> Path:
     axes[1].set_xticks([i + 0.25 for i in range(len(groups))], groups, rotation=30, fontsize=8)
     axes[1].set(ylabel=f"decode tokens/s / {REFERENCE}", title=f"ratio to {REFERENCE} (geo-mean over prompts)")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _table(result: dict) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from runtime.benchmarking import rotated
+from runtime.benchmarking import figure, rotated, save_figure
 
 CONFIGS = ("speculative", "adaptive", "by-batch", "target-only")
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -152,13 +152,8 @@ def summarise(result: dict) -> dict:
 
 
 def plot(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     levels = [int(x) for x in result["levels"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = figure(2, (11, 4))
     for cfg in result["configs"]:
         tps = [result["levels"][str(c)][cfg]["output_tokens_per_s"] for c in levels]
         ttft = [result["levels"][str(c)][cfg]["ttft_mean_s"] for c in levels]
@@ -170,10 +165,7 @@ def plot(result: dict, path: Path) -> Path:
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.legend()
     fig.suptitle(f"bench_serve: {result['engine']} ({result['machine']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 @click.command()

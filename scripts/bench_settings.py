@@ -28,6 +28,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from runtime.benchmarking import figure, save_figure
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -216,12 +218,7 @@ def time_kv_forms(folders: dict[str, Path], contexts: list[int], k: int, rounds:
 
 
 def _plot(result: dict, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = figure(2, (11, 4))
     names = list(result["threads"])
     x = np.arange(len(names))
     for j, key in enumerate(("draft", "verify", "decode")):
@@ -234,11 +231,7 @@ def _plot(result: dict, out: Path) -> Path:
     axes[1].set_xticks(range(len(chunks)), [c if c != "0" else "whole" for c in chunks])
     axes[1].set(xlabel="prefill chunk (tokens)", ylabel="prefill s (median)",
                 title=f"prefill of {result['prefill_tokens']} tokens")
-    fig.tight_layout()
-    path = out / "settings.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "settings.png")
 
 
 @click.command()

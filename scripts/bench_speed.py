@@ -41,7 +41,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from runtime.benchmarking import geomean_ratio, rotated
+from runtime.benchmarking import figure, geomean_ratio, rotated, save_figure
 from runtime.benchmarking import run_timed as run_ort
 from training.corpus import HELDOUT_DOCUMENTS as KINDS
 
@@ -171,25 +171,15 @@ def summarise(result: dict) -> dict:
 
 
 def _save(fig, axes, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     for ax in axes:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _plots(result: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summ, ctxs = result["summary"], result["contexts"]
     bases = [c for c in result["configs"] if not c.startswith("sharpdraft")]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = figure(2, (12, 4.2))
     for kind, ls in zip(result["kinds"], ("-", "--")):
         for j, c in enumerate(result["configs"]):
             axes[0].plot(ctxs, [summ[f"{kind}@{x}"][c]["decode_tokens_per_s"] for x in ctxs], ls, marker="o",
@@ -203,7 +193,7 @@ def _plots(result: dict, out: Path) -> list[Path]:
     axes[1].set(xscale="log", xlabel="context tokens", ylabel="sharpdraft decode tokens/s ratio",
                 title="sharpdraft speedup (geo-mean over documents)")
     p1 = _save(fig, axes, out / "speed_vs_context.png")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = figure(2, (12, 4.2))
     for kind, ls in zip(result["kinds"], ("-", "--")):
         for c in ("sharpdraft", "ort-target-only"):
             axes[0].plot(ctxs, [summ[f"{kind}@{x}"][c]["overhead_ms_per_step"] for x in ctxs], ls, marker="o",

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import click
 
-from runtime.benchmarking import geomean_ratio, rotations
+from runtime.benchmarking import figure, geomean_ratio, rotations, save_figure
 
 END_TOKEN = 7700
 ONLINE = {"lora-online": "lora", "full-online": "full"}
@@ -161,13 +161,8 @@ def _trainable_params(engine_dir: Path) -> int:
 
 
 def _plots(result: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     spec = [c for c in result["configs"] if c not in ("target-only", TORCH_BASE)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = figure(2, (11, 4))
     for c in spec:
         xs = result["contexts"]
         axes[0].plot(xs, [result["summary"][c][str(x)]["mal"] for x in xs], marker="o", label=c)
@@ -179,21 +174,15 @@ def _plots(result: dict, out: Path) -> list[Path]:
                 title="decode speedup (prefill excluded)")
     for ax in axes:
         ax.legend()
-    fig.tight_layout()
-    p1 = out / "mal_vs_context.png"
-    fig.savefig(p1, dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    p1 = save_figure(fig, out / "mal_vs_context.png")
+    fig, ax = figure(1, (6, 4))
     longest = str(max(result["contexts"]))
     for c in spec:
         acc = result["summary"][c][longest]["acceptance"]
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=c)
     ax.set(xlabel="draft position", ylabel="acceptance rate", title=f"acceptance per position at {longest} tokens")
     ax.legend()
-    fig.tight_layout()
-    p2 = out / "acceptance_vs_position.png"
-    fig.savefig(p2, dpi=110)
-    plt.close(fig)
+    p2 = save_figure(fig, out / "acceptance_vs_position.png")
     return [p1, p2]
 
 
