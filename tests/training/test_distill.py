@@ -1,5 +1,6 @@
-"""scripts/distill.py: token shards that last, training prompts disjoint from evaluation, and continuous batched
-greedy decoding on the int4 builder graph that equals the runtime's own target-only decoding."""
+"""training/distill.py and its command line scripts/distill.py: token shards that last, training prompts disjoint
+from evaluation, and continuous batched greedy decoding on the int4 builder graph that equals the runtime's own
+target-only decoding."""
 from __future__ import annotations
 
 import json
