@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from plugins.rule import Family, QueryScaleProfile
+from plugins.vllm import ARCHITECTURES as PLUGIN_ARCHITECTURES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINTS = {Family.DFLASH: REPO_ROOT / "drafters" / "dflash-smollm2-135m",
@@ -40,9 +41,12 @@ DEFAULT_CHECKPOINTS = {Family.DFLASH: REPO_ROOT / "drafters" / "dflash-smollm2-1
                        Family.PARD: REPO_ROOT / "drafters" / "pard-smollm2-135m"}
 # architecture names: vLLM's stock class, and the query-scaled subclass plugins/vllm registers (the prefixes are
 # what vLLM's EAGLEConfig keeps as they are: "DFlash..." / "...Eagle3")
-ARCHITECTURES = {Family.DFLASH: ("DFlashDraftModel", "DFlashSharpDraftModel"),
-                 Family.EAGLE3: ("LlamaForCausalLMEagle3", "SharpDraftLlamaForCausalLMEagle3"),
-                 Family.PARD: ("LlamaForCausalLM", "SharpDraftPardLlamaForCausalLM")}
+_PLUGIN = {Family.DFLASH: "DFlashSharpDraftModel", Family.EAGLE3: "SharpDraftLlamaForCausalLMEagle3",
+           Family.PARD: "SharpDraftPardLlamaForCausalLM"}
+assert set(_PLUGIN.values()) == set(PLUGIN_ARCHITECTURES), "plugins/vllm registers other names"
+ARCHITECTURES = {Family.DFLASH: ("DFlashDraftModel", _PLUGIN[Family.DFLASH]),
+                 Family.EAGLE3: ("LlamaForCausalLMEagle3", _PLUGIN[Family.EAGLE3]),
+                 Family.PARD: ("LlamaForCausalLM", _PLUGIN[Family.PARD])}
 PROFILE_KEY = "sharpdraft_query_scale"
 MASK_MODES = ("extra-row", "in-vocab")
 
@@ -169,6 +173,9 @@ def _write(out: Path, cfg: dict, weights: dict, extra: dict, ckpt: Path) -> None
                   metadata={"format": "pt", "source": f"sharpdraft-export-vllm from {ckpt.name}"})
         for name, obj in extra.items():
             torch.save(obj, tmp / name)
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
