@@ -46,18 +46,37 @@ def run_one(target: str, run: dict, max_model_len: int) -> dict:
               speculative_config=run.get("speculative_config"), seed=0)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=run.get("ignore_eos", False))
-    outputs, decode_s = [], 0.0
-    for ids in run["prompts"]:  # one request at a time: per-request latency, as the single-stream benches
-        t = time.perf_counter()
-        o = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-        decode_s += time.perf_counter() - t
-        outputs.append(list(o.outputs[0].token_ids))
-    res = {"name": run["name"], "load_s": load_s, "generate_s": decode_s, "outputs": outputs,
-           "new_tokens": sum(map(len, outputs)), **_spec_counters(llm)}
-    res["tokens_per_s"] = res["new_tokens"] / decode_s if decode_s else None
+    groups = run["prompts"] if isinstance(run["prompts"], dict) else {"all": run["prompts"]}
+    res = {"name": run["name"], "load_s": load_s, "groups": {}}
+    before = _spec_counters(llm)
+    for group, prompts in groups.items():  # counters are cumulative per engine: each group gets the difference
+        outputs, decode_s = [], 0.0
+        for ids in prompts:  # one request at a time: per-request latency, as the single-stream benches
+            t = time.perf_counter()
+            o = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+            decode_s += time.perf_counter() - t
+            outputs.append(list(o.outputs[0].token_ids))
+        after = _spec_counters(llm)
+        g = _difference(after, before)
+        before = after
+        g.update(outputs=outputs, generate_s=decode_s, new_tokens=sum(map(len, outputs)))
+        g["tokens_per_s"] = g["new_tokens"] / decode_s if decode_s else None
+        res["groups"][group] = g
+    if not isinstance(run["prompts"], dict):
+        res.update(res.pop("groups")["all"])
     del llm
     gc.collect()
     return res
+
+
+def _difference(after: dict, before: dict) -> dict:
+    out = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    pa, pb = after["accepted_per_pos"], before["accepted_per_pos"]
+    out["accepted_per_pos"] = [a - (pb[i] if i < len(pb) else 0) for i, a in enumerate(pa)]
+    d = out["num_drafts"]
+    out["mal"] = 1 + out["num_accepted_tokens"] / d if d else None
+    out["acceptance_per_pos"] = [a / d for a in out["accepted_per_pos"]] if d else []
+    return out
 
 
 def main() -> None:

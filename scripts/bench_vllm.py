@@ -1,0 +1,205 @@
+"""vLLM (CPU, ``.venv-vllm``) vs sharpdraft's runtime on the same held-out prompts: MAL with the query scale on and
+off, acceptance per position, decode tokens/s, lossless per row; JSON + PNG.
+
+    python scripts/bench_vllm.py --contexts 512,4096 --new-tokens 64 --out runs/bench_vllm
+
+Prompts: the held-out documents of training/corpus.py (hamlet, othello, macbeth, argparse.py, typing.py,
+subprocess.py), each the ``--context`` tokens ending at token 3500 (as scripts/eval_mal.py picks them; 4k contexts
+take the first 4096 tokens of each document instead, which end past 3500). Configurations, each one vLLM engine for
+all contexts: vLLM target-only, vLLM + ngram, vLLM + each drafter exported by ``sharpdraft-export-vllm`` with the
+scale on and off (the plugin's classes). sharpdraft's side: ``--engine`` folders (for example the default int4
+engines/ and an fp32 export of the same drafter) with the scale on and off, drafter alone (no prompt lookup), every
+draft token verified. Weights: vLLM runs fp32 torch; sharpdraft runs whatever each engines folder holds.
+
+The helpers :func:`run_vllm` and :func:`run_sharpdraft` are what tests/vllm uses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+DRIVER = REPO / "scripts" / "vllm_drive.py"
+# vLLM's speculative_config per family: DFlash drafts a block of B - 1 = 7; EAGLE-3 and PARD chains of 3 (PARD:
+# vLLM's draft_model with parallel drafting)
+SPEC_METHODS = {"dflash": {"method": "dflash", "num_speculative_tokens": 7},
+                "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+                "pard": {"method": "draft_model", "num_speculative_tokens": 3, "parallel_drafting": True}}
+
+
+class VllmRunError(RuntimeError):
+    """The vLLM subprocess failed; the message carries the tail of its log."""
+
+
+def speculative_config(family: str, folder: str | Path, k: int | None = None) -> dict:
+    cfg = dict(SPEC_METHODS[family], model=str(folder))
+    if k is not None:
+        cfg["num_speculative_tokens"] = k
+    return cfg
+
+
+def run_vllm(target: str | Path, runs: list[dict], workdir: Path, *, max_model_len: int = 2048,
+             timeout_s: int = 1800) -> dict[str, dict]:
+    """Run ``runs`` (scripts/vllm_drive.py's spec) in ``.venv-vllm``; {name: result}. Log: ``workdir/vllm.log``.
+
+    Raises:
+        VllmRunError: the driver process failed (no result file).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec, out, log = workdir / "spec.json", workdir / "result.json", workdir / "vllm.log"
+    spec.write_text(json.dumps({"target": str(target), "max_model_len": max_model_len, "runs": runs}))
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    env.pop("PYTHONPATH", None)
+    with open(log, "w") as f:
+        proc = subprocess.run([str(VLLM_PYTHON), str(DRIVER), "--spec", str(spec), "--out", str(out)],
+                              stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout_s)
+    if not out.is_file():
+        raise VllmRunError(f"vLLM driver exited {proc.returncode}:\n" + log.read_text()[-4000:])
+    return {r["name"]: r for r in json.loads(out.read_text())["results"]}
+
+
+def run_sharpdraft(engine_dir: Path, prompts: list[list[int]], max_new_tokens: int, *, backend: str = "onnxruntime",
+                   draft_tokens: int | None = None, query_scale: bool = True, target_only: bool = False) -> dict:
+    """Greedy generations of sharpdraft's loop, drafter alone (no prompt lookup), ``draft_tokens`` verified per
+    round: outputs and pooled counters in vLLM's terms (drafts = rounds, accepted per position)."""
+    from runtime.engine import SpecEngine
+    from runtime.sampling import SamplingParams
+
+    engine = _engine(engine_dir, backend)
+    outputs, drafts, accepted, seconds = [], 0, [], 0.0
+    for ids in prompts:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, num_draft_tokens=draft_tokens,
+                                query_scale=query_scale)
+        t = time.perf_counter()
+        r = engine.generate_target_only(ids, params=params) if target_only else engine.generate(ids, params=params)
+        seconds += time.perf_counter() - t
+        outputs.append(list(r.token_ids))
+        if not target_only:
+            drafts += r.stats.rounds
+            acc = r.stats.accepted_per_position
+            accepted = [a + (acc[i] if i < len(acc) else 0) for i, a in enumerate(accepted)] + list(acc[len(accepted):])
+    new = sum(map(len, outputs))
+    return {"outputs": outputs, "num_drafts": drafts, "accepted_per_pos": accepted,
+            "mal": 1 + sum(accepted) / drafts if drafts else None,
+            "acceptance_per_pos": [a / drafts for a in accepted] if drafts else [],
+            "new_tokens": new, "generate_s": seconds, "tokens_per_s": new / seconds if seconds else None}
+
+
+_ENGINES: dict = {}
+
+
+def _engine(engine_dir: Path, backend: str):
+    key = (str(engine_dir), backend)
+    if key not in _ENGINES:
+        from runtime.engine import SpecEngine
+
+        _ENGINES[key] = SpecEngine.from_dir(engine_dir, backend=backend)
+    return _ENGINES[key]
+
+
+def heldout_documents(context: int) -> dict[str, list[int]]:
+    """{document: ``context`` prompt ids} from training/corpus.py's held-out documents (no chat prompts)."""
+    from transformers import AutoTokenizer
+
+    from runtime.models.target import resolve_target
+    from training.corpus import END_TOKEN, heldout_prompts
+
+    tok = AutoTokenizer.from_pretrained(resolve_target(None))
+    return heldout_prompts(tok, context, 0, max(END_TOKEN, context))
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = sorted({r["config"] for r in rows if r.get("mal")})
+    contexts = sorted({r["context"] for r in rows})
+    width = 0.8 / max(len(contexts), 1)
+    for j, c in enumerate(contexts):
+        vals = [next((r["mal"] for r in rows if r["config"] == lab and r["context"] == c and r.get("mal")), 0)
+                for lab in labels]
+        ax.bar([i + j * width for i in range(len(labels))], vals, width, label=f"{c} tokens")
+    ax.set_xticks([i + width * (len(contexts) - 1) / 2 for i in range(len(labels))], labels, rotation=30,
+                  ha="right", fontsize=7)
+    ax.set_ylabel("MAL (bonus included)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="512,4096")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--families", default="dflash,eagle3,pard")
+    p.add_argument("--engine", action="append", default=[],
+                   help="NAME=DIR[:BACKEND] sharpdraft engines folder(s), e.g. int4=engines fp32=engines-fp32:torch")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_vllm")
+    p.add_argument("--no-ngram", action="store_true")
+    a = p.parse_args()
+    from export.vllm_export import run as export_vllm
+    from runtime.models.target import resolve_target
+
+    contexts = [int(c) for c in a.contexts.split(",")]
+    families = [f for f in a.families.split(",") if f]
+    prompts = {str(c): list(heldout_documents(c).values()) for c in contexts}
+    a.out.mkdir(parents=True, exist_ok=True)
+    target = resolve_target(None)
+    runs = [{"name": "vllm target-only", "speculative_config": None}]
+    if not a.no_ngram:
+        runs.append({"name": "vllm ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                                  "prompt_lookup_max": 5, "prompt_lookup_min": 3}})
+    with tempfile.TemporaryDirectory() as tmp:
+        for fam in families:
+            for on in (True, False):
+                folder = export_vllm(fam, Path(tmp) / f"{fam}-{'on' if on else 'off'}", query_scale=on)
+                runs.append({"name": f"vllm {fam} scale {'on' if on else 'off'}",
+                             "speculative_config": speculative_config(fam, folder)})
+        for r in runs:
+            r.update(prompts=prompts, max_tokens=a.new_tokens, ignore_eos=True, max_num_seqs=1)
+        res = run_vllm(target, runs, a.out / "vllm", max_model_len=max(contexts) + a.new_tokens + 16)
+    rows = []
+    base = res["vllm target-only"]["groups"]
+    for name, r in res.items():
+        for c in contexts:
+            g = (r.get("groups") or {}).get(str(c))
+            if g is None:
+                rows.append({"config": name, "context": c, "error": r.get("error")})
+                continue
+            rows.append({"config": name, "context": c, "mal": g["mal"], "acceptance": g["acceptance_per_pos"],
+                         "tokens_per_s": g["tokens_per_s"], "lossless": g["outputs"] == base[str(c)]["outputs"]})
+    for spec in a.engine:
+        name, _, rest = spec.partition("=")
+        folder, _, backend = rest.partition(":")
+        for c in contexts:
+            tgt = run_sharpdraft(Path(folder), prompts[str(c)], a.new_tokens, backend=backend or "onnxruntime",
+                                 target_only=True)
+            rows.append({"config": f"sharpdraft {name} target-only", "context": c, "tokens_per_s": tgt["tokens_per_s"]})
+            for on in (True, False):
+                r = run_sharpdraft(Path(folder), prompts[str(c)], a.new_tokens, backend=backend or "onnxruntime",
+                                   query_scale=on)
+                rows.append({"config": f"sharpdraft {name} scale {'on' if on else 'off'}", "context": c,
+                             "mal": r["mal"], "acceptance": r["acceptance_per_pos"],
+                             "tokens_per_s": r["tokens_per_s"], "lossless": r["outputs"] == tgt["outputs"]})
+    (a.out / "bench_vllm.json").write_text(json.dumps({"contexts": contexts, "new_tokens": a.new_tokens,
+                                                        "rows": rows}, indent=1))
+    _plot(rows, a.out / "bench_vllm.png")
+    for r in rows:
+        mal = f"MAL {r['mal']:.3f}" if r.get("mal") else "         "
+        tps = f"{r['tokens_per_s']:6.1f} tokens/s" if r.get("tokens_per_s") else r.get("error", "")
+        print(f"{r['config']:34s} ctx {r['context']:5d}  {mal}  {tps}  "
+              f"{'' if r.get('lossless', True) else 'NOT LOSSLESS'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
