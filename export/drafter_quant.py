@@ -302,8 +302,11 @@ def proposal_agreement(float_graph: Path, quant_graph: Path, feeds) -> dict:
     Returns:
         ``{"slot_top1_agreement": [per slot], "rows": batch (all chunks), "chunks": int, "max_abs_diff_logits":
         float, "max_abs_logit": float}``.
+    Raises:
+        export.validate.ValidationError: NaN in either graph's logits, or an inf where the float graph's are
+            finite (:func:`export.validate.max_abs_diff`).
     """
-    from export.validate import _session
+    from export.validate import _session, max_abs_diff
 
     make = (lambda: [feeds]) if isinstance(feeds, dict) else feeds
     ref: list[np.ndarray] = []  # the float graph's logits per chunk: [chunk, slots, vocab] f32
@@ -321,7 +324,7 @@ def proposal_agreement(float_graph: Path, quant_graph: Path, feeds) -> dict:
             ref[c] = None  # freed as the comparison goes
             same = (a.argmax(-1) == logits.argmax(-1)).sum(0)
             agree = same if agree is None else agree + same
-            diff = max(diff, float(np.abs(a - logits).max()))
+            diff = max(diff, max_abs_diff(logits, a, f"quantized drafter graph {quant_graph} logits"))
             peak = max(peak, float(np.abs(a).max()))
             rows += int(a.shape[0])
         del sess  # one session at a time (a 1 B drafter's fp32 graph is 4 GB)

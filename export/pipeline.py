@@ -25,7 +25,7 @@ from export.families import DrafterFamily, checkpoint_field, get_family
 from plugins.rule import Family, QueryScaleProfile
 from runtime.draft_vocab import DRAFT_VOCAB_FILE
 from runtime.manifest import MANIFEST, SCHEMA_VERSION, Manifest, sha256_file
-from runtime.models.dflash import CheckpointError
+from runtime.models.dflash import CheckpointError, check_finite
 from runtime.modes import KvIo
 
 log = logging.getLogger("sharpdraft.export")
@@ -356,12 +356,16 @@ def run_export(cfg: ExportConfig) -> dict:
 
 
 def _load_pair(fam: DrafterFamily, ckpt: Path, target_source: str | None):
-    """The torch drafter, target and tokenizer, checked against each other. Raises ExportError."""
+    """The torch drafter, target and tokenizer, checked against each other and for non-finite weights. Raises
+    ExportError."""
     from runtime.models.target import TargetLoadError, load_target
 
     try:
         drafter = fam.load(ckpt)
         target, tok = load_target(target_source)
+        # the drafter loaders check their tensors (runtime/models/dflash.py check_finite); the target's too, here
+        check_finite(f"target {target_source or 'SmolLM2-135M-Instruct (default)'}",
+                     dict(target.named_parameters()))  # not buffers: some models keep -inf masks there
     except (CheckpointError, TargetLoadError) as e:
         raise ExportError(str(e)) from e
     fam.check_pair(drafter, target)
@@ -467,7 +471,7 @@ def _quantize_drafter(cfg: ExportConfig, tmp: Path, scratch: Path, drafter_io: d
         raise ExportError(str(e)) from e
     check = proposal_agreement(float_dir / "model.onnx", checked, make_feeds())
     check["min_slot1_agreement"] = MIN_SLOT1_AGREEMENT
-    if check["slot_top1_agreement"][0] < MIN_SLOT1_AGREEMENT:
+    if not check["slot_top1_agreement"][0] >= MIN_SLOT1_AGREEMENT:
         raise ExportError(f"the {precision} drafter graph drafts the fp32 graph's first token at "
                           f"{check['slot_top1_agreement'][0]:.0%} of real-text positions only (< "
                           f"{MIN_SLOT1_AGREEMENT:.0%}); export with --drafter-precision fp32")

@@ -43,6 +43,46 @@ class ValidationError(ValueError):
     """An exported graph disagrees with its torch source beyond tolerance."""
 
 
+def max_abs_diff(got, want, what: str) -> float:
+    """``max |got - want|`` of a graph output against its reference, refusing values that are not finite.
+
+    ``got`` (the graph's output) and ``want`` (the torch reference) are arrays of one shape (any dtype). An
+    infinity in ``got`` is accepted only where ``want`` holds the same infinity (the design puts -inf in logits
+    outside the draft vocabulary, for instance); a NaN anywhere, or an inf where the reference is finite, is an
+    error naming ``what`` (e.g. ``"drafter graph logits at N=256"``): a ``diff > bound`` test would let a NaN
+    through, since every comparison with NaN is false.
+
+    Returns: the largest absolute difference over the finite entries (0.0 for empty arrays).
+    Raises:
+        ValidationError: NaN in either array, or an inf in ``got`` that ``want`` does not hold at that position
+            (the count and the first index named).
+    """
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    for arr, side in ((want, "the torch reference"), (got, "the exported graph")):
+        nan = np.isnan(arr)
+        if nan.any():
+            first = tuple(int(i) for i in np.unravel_index(int(nan.argmax()), arr.shape))
+            raise ValidationError(f"{what}: {side} holds {int(nan.sum())} NaN values (first at index {first}): a "
+                                  "non-finite weight or table in the checkpoint, or an overflow; fix the weights")
+    same_inf = np.isinf(want) & (got == want)
+    bad = np.isinf(got) & ~same_inf
+    if bad.any():
+        first = tuple(int(i) for i in np.unravel_index(int(bad.argmax()), got.shape))
+        raise ValidationError(f"{what}: the exported graph holds {int(bad.sum())} infinite values where the torch "
+                              f"reference is finite (first at index {first}): an overflow or a non-finite weight")
+    if not got.size:
+        return 0.0
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(np.where(same_inf, 0.0, got - want))
+    return float(diff.max())  # inf where the reference is infinite and the graph is not: fails any bound
+
+
+def within(diff: float, bound: float) -> bool:
+    """``diff <= bound`` (False for a NaN ``diff``: a check must fail on it, never pass by a false ``>``)."""
+    return bool(diff <= bound)
+
+
 def _session(path: Path):
     import onnxruntime as ort
 
@@ -107,11 +147,13 @@ def check_target(reference: dict, path: Path, io: dict) -> dict:
         feed = dict(step["feed"])
         feed.update(dict(zip(io["inputs"][3:], step["buffers"])))
         logits, taps, *kv = sess.run(io["outputs"], feed)
-        diffs["logits"] = max(diffs["logits"], float(np.abs(logits - step["logits"]).max()))
+        diffs["logits"] = max(diffs["logits"], max_abs_diff(logits, step["logits"], f"target graph {path} logits"))
         if taps.size:  # a drafter that reads no target features (PARD) exports taps of width 0
-            diffs["taps"] = max(diffs["taps"], float(np.abs(taps - step["taps"]).max() / np.abs(step["taps"]).max()))
-        diffs["kv"] = max(diffs["kv"], max(float(np.abs(a - b).max()) for a, b in zip(kv, step["kv"])))
-    if max(diffs.values()) > TARGET_ATOL:
+            diffs["taps"] = max(diffs["taps"], max_abs_diff(taps, step["taps"], f"target graph {path} taps")
+                                / float(np.abs(step["taps"]).max()))
+        diffs["kv"] = max(diffs["kv"], max(max_abs_diff(a, b, f"target graph {path} {name}")
+                                           for name, a, b in zip(io["outputs"][2:], kv, step["kv"])))
+    if not within(max(diffs.values()), TARGET_ATOL):
         raise ValidationError(f"target graph {path} disagrees with torch: {diffs} (tolerance {TARGET_ATOL})")
     return {"max_abs_diff_logits": diffs["logits"], "max_rel_diff_taps": diffs["taps"],
             "max_abs_diff_kv": diffs["kv"], "kv_io": io.get("kv_io", "concat"), "atol": TARGET_ATOL}
@@ -204,12 +246,18 @@ def check_shared_target(reference: dict, tap_ids: list[int], path: Path, io: dic
     bufs = buffers(1, n + 5, True)
     first, _ = call(ids[:, : n - 4], [n - 4], bufs)
     block, _ = call(ids[:, n - 4:], [n], bufs)
-    cached = max(float(np.abs(first - full[:, : n - 4]).max()), float(np.abs(block - full[:, n - 4:]).max()))
+    what = f"quantized target graph {path} logits"
+    for name, out in (("one pass", full), ("prefill", first), ("verify block", block)):
+        max_abs_diff(out, np.zeros_like(out), f"{what} ({name})")  # finite everywhere
+    if full_taps is not None and full_taps.size:
+        max_abs_diff(full_taps, np.zeros_like(full_taps), f"quantized target graph {path} taps")
+    cached = max(max_abs_diff(first, full[:, : n - 4], f"{what} (cached prefill)"),
+                 max_abs_diff(block, full[:, n - 4:], f"{what} (cached verify block)"))
     # rollback: back to n - 4 cached positions (a length change) and another 4-token block over the stale slots
     other = ids[:, n - 4:][:, ::-1].copy()
     ref, _ = call(np.concatenate([ids[:, : n - 4], other], 1), [n], buffers(1, n, False))
     again, _ = call(other, [n], bufs)
-    rollback = float(np.abs(again - ref[:, n - 4:]).max())
+    rollback = max_abs_diff(again, ref[:, n - 4:], f"{what} (after a rollback)")
     # against fp32 torch
     agree = float((reference["argmax"] == full[0].argmax(-1)).mean())
     hidden_states = reference["hidden_states"]
@@ -231,14 +279,14 @@ def check_shared_target(reference: dict, tap_ids: list[int], path: Path, io: dic
               "max_abs_diff_after_rollback": rollback, "top1_agreement_fp32": agree, "tap_cosine": cos,
               "tap_cosine_neighbours": neigh, "atol": SHARED_ATOL, "text_tokens": n}
     problems = []
-    if cached > SHARED_ATOL:
+    if not within(cached, SHARED_ATOL):
         problems.append(f"cached verify block differs from one pass by {cached:.3g}")
-    if rollback > SHARED_ATOL:
+    if not within(rollback, SHARED_ATOL):
         problems.append(f"a block verified after a rollback differs from one pass by {rollback:.3g}")
-    if agree < MIN_TOP1_AGREEMENT:
+    if not agree >= MIN_TOP1_AGREEMENT:
         problems.append(f"argmax agrees with the fp32 target at {agree:.0%} of positions only")
     for t, cs, (a, b) in zip(tap_ids, cos, neigh):
-        if cs < MIN_TAP_COSINE or cs <= max(a, b):
+        if not (cs >= MIN_TAP_COSINE and cs > max(a, b)):  # written so that a NaN cosine fails
             problems.append(f"tap of layer {t}: cosine {cs:.3f} with hidden_states[{t + 1}], neighbours {a:.3f} / "
                             f"{b:.3f} (wrong layer tapped?)")
     if problems:
@@ -324,14 +372,15 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         logits, *kv = sess.run(io["outputs"], feed)
         if static:  # new context K/V: the same for every row layout
             for r, c in enumerate(cases):
-                kv_diffs.append(max(float(np.abs(o[r] - ref[0]).max()) for o, ref in zip(kv, c["new_kv"])))
+                kv_diffs.append(max(max_abs_diff(o[r], ref[0], f"drafter graph {path} {name}")
+                                    for name, o, ref in zip(io["outputs"][1:], kv, c["new_kv"])))
                 kv_scale.append(max(float(np.abs(ref).max()) for ref in c["new_kv"]))
         return logits
 
     def check(c: dict, logits: np.ndarray, n_keys: int) -> dict:
-        diff = float(np.abs(logits - c["ref"][0]).max())
+        diff = max_abs_diff(logits, c["ref"][0], f"drafter graph {path} logits at N={n_keys}")
         bound = drafter_bound(c["ref"], n_keys)
-        if diff > bound:
+        if not within(diff, bound):
             raise ValidationError(f"drafter graph {path} disagrees with the torch drafter at N={n_keys} "
                                   f"(beta {c['beta']:.6f}): max abs logit diff {diff:.3g} > {bound:.3g}")
         return {"num_keys": n_keys, "beta": c["beta"], "max_abs_diff_logits": diff,
@@ -354,7 +403,7 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         top = 20 * profile.ref_keys
         out["max_abs_diff_new_kv"] = max(kv_diffs)
         out["new_kv_bound"] = DRAFTER_ATOL + max(kv_scale) * (DRAFTER_RTOL + top * ROPE_ULP)
-        if out["max_abs_diff_new_kv"] > out["new_kv_bound"]:
+        if not within(out["max_abs_diff_new_kv"], out["new_kv_bound"]):
             raise ValidationError(f"drafter graph {path}: new context K/V differ from the torch drafter's by "
                                   f"{out['max_abs_diff_new_kv']:.3g} > {out['new_kv_bound']:.3g}")
     if has_switch:  # rows with the scale switched off must equal the frozen drafter (beta = 1) at any N
@@ -419,9 +468,9 @@ def validate_fused_drafter(fused: Path, portable: Path, io: dict, cfg, profile: 
         if has_switch:
             (frozen,) = sess_port.run(["logits"], {**port_in, "query_scale_enabled": np.zeros(len(n_keys), np.float32)})
             effect = float(np.abs(want - frozen).max())
-        diff = float(np.abs(got - want).max())
+        diff = max_abs_diff(got, want, f"fused drafter graph {fused} logits at N={n_keys}")
         bound = drafter_bound(want, n_keys)
-        if diff > bound:
+        if not within(diff, bound):
             raise ValidationError(f"fused drafter graph {fused} disagrees with the portable graph at N={n_keys}: "
                                   f"max abs logit diff {diff:.3g} > {bound:.3g}")
         points.append({"num_keys": n_keys, "max_abs_diff_logits": diff, "beta_effect_on_logits": effect,
@@ -501,9 +550,9 @@ def validate_pard_drafter(drafter, num_draft_tokens: int, path: Path, io: dict, 
         return logits
 
     def check(c: dict, logits: np.ndarray, ref_key: str = "ref") -> dict:
-        diff = float(np.abs(logits - c[ref_key][0]).max())
+        diff = max_abs_diff(logits, c[ref_key][0], f"PARD drafter graph {path} logits at N={c['n']}")
         bound = drafter_bound(c[ref_key], c["n"])
-        if diff > bound:
+        if not within(diff, bound):
             raise ValidationError(f"PARD drafter graph {path} disagrees with the torch drafter at N={c['n']}: max "
                                   f"abs logit diff {diff:.3g} > {bound:.3g}")
         return {"num_keys": c["n"], "max_abs_diff_logits": diff, "beta_effect_on_logits": c["effect"],
@@ -584,9 +633,9 @@ def validate_eagle3_drafter(drafter, path: Path, io: dict, profile: QueryScalePr
 
     def check(bl: dict, row: int, logits: np.ndarray, token: int, key: str = "ref") -> dict:
         want = bl[key][row]
-        diff = float(np.abs(logits - want).max())
+        diff = max_abs_diff(logits, want, f"EAGLE-3 drafter graph {path} logits at N={bl['n'][row]}")
         bound = drafter_bound(want, bl["n"][row])
-        if diff > bound:
+        if not within(diff, bound):
             raise ValidationError(f"EAGLE-3 drafter graph {path} disagrees with the torch drafter at N="
                                   f"{bl['n'][row]}: max abs logit diff {diff:.3g} > {bound:.3g}")
         best = int(np.argmax(logits))

@@ -80,6 +80,58 @@ def _layer_windows(d: dict[str, Any], dcfg: dict[str, Any], n_layers: int) -> li
     return [int(window) if s else None for s in sliding]
 
 
+def _neutral_number(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == 1.0)
+
+
+def refuse_unimplemented(d: dict[str, Any], dcfg: dict[str, Any], head_dim: int, rope_theta: float) -> None:
+    """Refuse config fields that change a DFlash drafter's computation and that this runtime does not implement,
+    unless they hold their neutral value; a drafter loaded without them would run other math, silently (MiMo's
+    DFlash config: partial rotary, a value scale, attention sinks, its own rotary base for the context keys).
+    Fields that change nothing at inference (training keys such as ``num_anchors``, ``loss_decay_gamma``) pass.
+
+    ``d``: the top-level config (its ``dflash_config`` popped into ``dcfg``).
+    Raises:
+        CheckpointError: one line naming each such field, its value and the neutral value it would need.
+    """
+    rope = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    bad = []
+
+    def check(name: str, value, neutral: bool, want: str) -> None:
+        if not neutral:
+            bad.append(f"{name}={value!r} (needs {want})")
+
+    for name in ("partial_rotary_factor",):
+        for where, src in ((name, d), (f"rope_parameters.{name}", rope)):
+            check(where, src.get(name), _neutral_number(src.get(name)), "1.0")
+    v_dim = d.get("v_head_dim")
+    check("v_head_dim", v_dim, v_dim is None or int(v_dim) == head_dim, f"= head_dim {head_dim}")
+    for name in ("rope_scaling", "rope_parameters"):
+        kind = rope_type_of(d.get(name) if isinstance(d.get(name), dict) else None)
+        check(f"{name}.rope_type", kind, kind == "default", "'default' rotary")
+    act = d.get("hidden_act")
+    check("hidden_act", act, act in (None, "silu"), "'silu'")
+    for name in ("mlp_bias",):
+        check(name, d.get(name), not d.get(name), "false")
+    for name in ("attention_value_scale", "attention_output_scale", "output_multiplier"):
+        for where, src in ((f"dflash_config.{name}", dcfg), (name, d)):
+            check(where, src.get(name), _neutral_number(src.get(name)), "1")
+    for name in ("attention_sink_bias", "attention_sinks", "use_attention_sink"):
+        for where, src in ((f"dflash_config.{name}", dcfg), (name, d)):
+            check(where, src.get(name), not src.get(name), "false")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        for where, src in ((f"dflash_config.{name}", dcfg), (name, d)):
+            check(where, src.get(name), src.get(name) is None, "null")
+    base = dcfg.get("backbone_rotary_base")
+    check("dflash_config.backbone_rotary_base", base, base is None or float(base) == float(rope_theta),
+          f"= rope_theta {rope_theta:g}")
+    neox = d.get("is_neox_style", dcfg.get("is_neox_style"))
+    check("is_neox_style", neox, neox in (None, True), "true")
+    if bad:
+        raise CheckpointError(f"DFlash config fields that change the computation, not implemented by sharpdraft: "
+                              f"{'; '.join(bad)}")
+
+
 def refuse_lookalikes(d: dict[str, Any]) -> None:
     """Refuse, with one message naming what is missing, the drafters whose configs resemble DFlash's but whose
     weights and decoding differ: DFlash2 (conv layers + candidate selector), DSpark (Markov / confidence heads),
@@ -207,8 +259,9 @@ class DFlashConfig:
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
         """Parse a DFlash ``config.json`` dict (Qwen3Config + DFlash fields): z-lab's layout (``dflash_config`` with
         ``mask_token_id`` / ``target_layer_ids``, ``block_size`` top-level or in ``dflash_config``) and the flat
-        variant (those fields top-level). Raises CheckpointError if incomplete, or for a drafter of another kind
-        that only looks like DFlash (:func:`refuse_lookalikes`)."""
+        variant (those fields top-level). Raises CheckpointError if incomplete, for a drafter of another kind
+        that only looks like DFlash (:func:`refuse_lookalikes`), or for fields that change the computation and are
+        not implemented (:func:`refuse_unimplemented`)."""
         refuse_lookalikes(d)
         d = from_speculators(d) if d.get("speculators_model_type") == Family.DFLASH else dict(d)
         dcfg = d.pop("dflash_config", None) or {}
@@ -239,6 +292,7 @@ class DFlashConfig:
         except KeyError as e:
             where = " (in dflash_config or top-level)" if e.args[0] in ("mask_token_id", "block_size") else ""
             raise CheckpointError(f"DFlash config is missing field {e.args[0]!r}{where}") from e
+        refuse_unimplemented(d, dcfg, known["head_dim"], known["rope_theta"])
         known["layer_windows"] = _layer_windows(d, dcfg, n_layers)
         keys = set(known) | {"dflash_config", "rope_parameters", "sharpdraft_query_scale", "target_layer_ids",
                              "layer_types", "sliding_window", "use_sliding_window", "own_lm_head"}
@@ -628,7 +682,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of the ``*.safetensors`` files in checkpoint folder ``path``.
 
     Raises:
-        CheckpointError: no safetensors file, or one is corrupt / unreadable (named).
+        CheckpointError: no safetensors file, or one is corrupt / unreadable (named), or a floating-point tensor
+            holds NaN or inf (:func:`check_finite`).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -643,7 +698,26 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e}); re-download or re-train it") \
                 from e
+    check_finite(path, state)
     return state
+
+
+def check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose floating-point tensors hold NaN or inf: such a drafter exports, validates against a
+    torch reference that is NaN too, and then never has a draft token accepted.
+
+    Raises:
+        CheckpointError: one line naming the first such tensor (sorted by name) and its NaN / inf counts.
+    """
+    for name in sorted(state):
+        t = state[name]
+        if not torch.is_floating_point(t):
+            continue
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(t).sum())
+            raise CheckpointError(f"{path}: tensor {name!r} holds {nan} NaN and {int((~finite).sum()) - nan} inf "
+                                  "values; the checkpoint is damaged (re-download it, or retrain from a finite step)")
 
 
 def check_state(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], *,
@@ -674,8 +748,9 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
     ``attention_impl``: "eager" (default) or "fused" (see :class:`DFlashDrafter`).
 
     Raises:
-        CheckpointError: folder/config/weights missing or unreadable, or keys/shapes not matching the config
-        (missing and unexpected keys are listed).
+        CheckpointError: folder/config/weights missing or unreadable, NaN / inf weights, attention-sink tensors,
+        config fields that change the math unimplemented (:func:`refuse_unimplemented`), or keys/shapes not
+        matching the config (missing and unexpected keys are listed).
         ValueError: an unknown ``attention_impl``.
     """
     _check_impl(attention_impl)
@@ -696,6 +771,10 @@ def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = t
     if cfg.own_lm_head:  # speculators: its frozen copies of the verifier's tables are not used (the target's are)
         state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "t2d", "verifier_norm.weight",
                                                              "verifier_lm_head.weight")}
+    sinks = sorted(k for k in state if "sink" in k.lower())  # e.g. layers.0.self_attn.sinks (gpt-oss style)
+    if sinks:  # named, not lost among "unexpected keys": the drafter would run without them
+        raise CheckpointError(f"{path}: tensors {sinks[:4]} are attention sinks, which sharpdraft's DFlash attention "
+                              "does not implement; export a drafter trained without sinks")
     # strict loads build the modules without storage and adopt the read tensors as parameters (assign): one copy of
     # the weights in memory, not two (a 1 B-parameter drafter peaked at 7.9 GB instead of 4.2; scripts/bench_scale.py)
     with torch.device("meta" if strict else "cpu"):

@@ -35,8 +35,8 @@ from torch import nn
 
 from plugins.rule import Family
 from runtime.models import attention_probe
-from runtime.models.dflash import (ROPE_TYPES, CheckpointError, DFlashMLP, RMSNorm, apply_rope, check_state,
-                                   rope_cos_sin, rope_inv_freq, rope_type_of)
+from runtime.models.dflash import (ROPE_TYPES, CheckpointError, DFlashMLP, RMSNorm, apply_rope, check_finite,
+                                   check_state, rope_cos_sin, rope_inv_freq, rope_type_of)
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -352,6 +352,7 @@ def load_eagle3(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Eagl
         raise CheckpointError(f"{path}: corrupt or unreadable weights ({e})") from e
     if not state:
         raise CheckpointError(f"{path}: no *.safetensors or pytorch_model.bin weights next to config.json")
+    check_finite(path, state)
     state = _normalise_keys(state)
     model = Eagle3Drafter(cfg, with_embedding="embed_tokens.weight" in state)
     if "d2t" in state:  # before any use of it: the t2d rebuild below indexes with it

@@ -244,3 +244,45 @@ def test_every_real_eagle3_config_loads_at_its_true_shape(name):
     assert (c.hidden_size, c.vocab_size, c.draft_vocab_size) == (t["hidden_size"], t["vocab_size"],
                                                                 raw["draft_vocab_size"])
     assert c.rope_theta == float(t.get("rope_theta") or 10000.0)  # EAGLE's reference default when absent
+
+
+def test_mimo_dflash_fields_that_change_the_math_are_refused_by_name():
+    """MiMo's DFlash config loaded as plain DFlash before (outputs bit-identical with and without its fields): now
+    one line names each field sharpdraft does not implement."""
+    raw = _cfg("mimo-v2.5-pro-fp4-dflash-config.json")
+    with pytest.raises(CheckpointError) as e:
+        DFlashConfig.from_dict(raw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for field in ("partial_rotary_factor=0.5", "dflash_config.attention_value_scale=0.612",
+                  "dflash_config.attention_sink_bias=True", "dflash_config.backbone_rotary_base=5000000"):
+        assert field in msg, msg
+    assert "v_head_dim" not in msg and "num_anchors" not in msg  # neutral (= head_dim) / training-only: accepted
+
+
+def test_neutral_values_and_training_fields_load():
+    raw = _cfg("mimo-v2.5-pro-fp4-dflash-config.json")
+    d = dict(raw, partial_rotary_factor=1.0, v_head_dim=raw["head_dim"],
+             dflash_config=dict(raw["dflash_config"], attention_value_scale=1.0, attention_sink_bias=False,
+                                backbone_rotary_base=raw["rope_theta"]))
+    c = DFlashConfig.from_dict(d)
+    assert c.windows == [1024] * 5 and c.num_hidden_layers == 5  # use_swa + swa_window_size: every layer windowed
+    for field, value, needle in (("v_head_dim", 64, "v_head_dim=64"), ("hidden_act", "gelu", "hidden_act='gelu'"),
+                                 ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type"),
+                                 ("mlp_bias", True, "mlp_bias=True")):
+        with pytest.raises(CheckpointError, match=needle):
+            DFlashConfig.from_dict({**d, field: value})
+
+
+def test_sink_tensors_are_refused_by_name(tmp_path):
+    from safetensors.torch import load_file
+
+    from runtime.models.dflash import load_dflash
+    from tests.conftest import write_tiny_dflash
+
+    ck = write_tiny_dflash(tmp_path / "ck")
+    state = load_file(ck / "model.safetensors")
+    state["layers.0.self_attn.sinks"] = torch.zeros(4)
+    save_file(state, ck / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"\['layers.0.self_attn.sinks'\] are attention sinks"):
+        load_dflash(ck)
