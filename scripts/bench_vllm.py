@@ -100,8 +100,35 @@ def _engine(engine_dir: Path, backend: str):
     if key not in _ENGINES:
         from runtime.engine import SpecEngine
 
-        _ENGINES[key] = SpecEngine.from_dir(engine_dir, backend=backend)
+        _ENGINES[key] = (torch_dflash_engine(engine_dir) if backend == "torch-checkpoint"
+                         else SpecEngine.from_dir(engine_dir, backend=backend))
     return _ENGINES[key]
+
+
+def torch_dflash_engine(checkpoint: Path):
+    """sharpdraft's loop on the torch backend (fp32 target and DFlash drafter, the fused query-scale op) built
+    straight from a DFlash checkpoint and the default target, with the checkpoint's draft vocabulary and profile:
+    what an fp32 ``sharpdraft-export --backend torch`` folder rebuilds, without writing the ONNX graphs."""
+    from plugins.rule import QueryScaleProfile
+    from runtime.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
+    from runtime.engine import SpecEngine
+    from runtime.torch_engines import TorchDFlashDrafter, TorchTarget
+
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    target = TorchTarget.load(None, cfg["dflash_config"]["target_layer_ids"], "cpu")
+    drafter = TorchDFlashDrafter.load(checkpoint, target, QueryScaleProfile.from_dict(cfg["sharpdraft_query_scale"]),
+                                      "cpu")
+    if (Path(checkpoint) / DRAFT_VOCAB_FILE).is_file():
+        drafter.set_draft_ids(load_draft_vocab(Path(checkpoint) / DRAFT_VOCAB_FILE, target.vocab_size))
+    gen = json.loads((resolve_default_target() / "generation_config.json").read_text())
+    eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    return SpecEngine(target, drafter, eos_token_ids=eos, proposable_vocab=target.vocab_size)
+
+
+def resolve_default_target() -> Path:
+    from runtime.models.target import resolve_target
+
+    return resolve_target(None)
 
 
 def heldout_documents(context: int) -> dict[str, list[int]]:
