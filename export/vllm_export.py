@@ -10,7 +10,8 @@ What changes against the sharpdraft checkpoint (docs/vllm.md has the measurement
   ``<empty_output>``) and ships ``mask_embedding.pt``, the file vLLM swaps in for that id. The draft vocabulary
   (``draft_vocab.json``) becomes the drafter's own LM head (the target's rows at those ids) plus ``d2t``, so vLLM
   scores exactly the tokens sharpdraft's runtime scores. ``rope_theta`` is written out (vLLM assumes 1e6 when it
-  is absent); sliding-window layers keep ``layer_types`` / ``sliding_window``.
+  is absent); sliding-window layers keep ``layer_types`` / ``sliding_window``, with ``dflash_config.causal: false``
+  (vLLM would otherwise run them causally; sharpdraft's DFlash layers see the whole block).
 - EAGLE-3: the EAGLE-repo layout as shipped (``d2t`` / ``t2d`` already inside), architecture renamed.
 - PARD: a plain Llama checkpoint with its own embedding (the target's table with our mask row written at
   ``--mask-id``, ``pard_token``) and an untied LM head (the target's 49,152 rows): vLLM's draft_model runner
@@ -128,6 +129,8 @@ def export_dflash(ckpt: Path, target: Path, out: Path, *, mask: str, mask_id: in
         cfg["draft_vocab_size"] = int(head[0].shape[0])
     elif cfg["vocab_size"] != vocab:  # 49,153 embedding rows, the target's 49,152-row LM head (no d2t)
         cfg["draft_vocab_size"] = vocab
+    if "sliding_attention" in (d.get("layer_types") or []):
+        dcfg["causal"] = False  # vLLM makes sliding layers causal by default; sharpdraft's DFlash layers never are
     cfg["dflash_config"] = dcfg
     cfg[PROFILE_KEY] = profile
     _write(out, cfg, w, extra, ckpt)

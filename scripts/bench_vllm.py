@@ -66,7 +66,8 @@ def run_vllm(target: str | Path, runs: list[dict], workdir: Path, *, max_model_l
 
 
 def run_sharpdraft(engine_dir: Path, prompts: list[list[int]], max_new_tokens: int, *, backend: str = "onnxruntime",
-                   draft_tokens: int | None = None, query_scale: bool = True, target_only: bool = False) -> dict:
+                   draft_tokens: int | None = None, query_scale: bool = True, target_only: bool = False,
+                   ignore_eos: bool = False) -> dict:
     """Greedy generations of sharpdraft's loop, drafter alone (no prompt lookup), ``draft_tokens`` verified per
     round: outputs and pooled counters in vLLM's terms (drafts = rounds, accepted per position)."""
     from runtime.engine import SpecEngine
@@ -76,7 +77,7 @@ def run_sharpdraft(engine_dir: Path, prompts: list[list[int]], max_new_tokens: i
     outputs, drafts, accepted, seconds = [], 0, [], 0.0
     for ids in prompts:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, num_draft_tokens=draft_tokens,
-                                query_scale=query_scale)
+                                query_scale=query_scale, ignore_eos=ignore_eos)
         t = time.perf_counter()
         r = engine.generate_target_only(ids, params=params) if target_only else engine.generate(ids, params=params)
         seconds += time.perf_counter() - t
@@ -173,13 +174,19 @@ def main() -> None:
                    help="NAME=DIR[:BACKEND] sharpdraft engines folder(s), e.g. int4=engines fp32=engines-fp32:torch")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_vllm")
     p.add_argument("--no-ngram", action="store_true")
+    p.add_argument("--documents", default=None,
+                   help="comma-separated held-out document names (default: all six), e.g. hamlet_gut,argparse.py")
+    p.add_argument("--draft-tokens", type=int, default=7,
+                   help="sharpdraft side: draft tokens verified per round (7 = the whole DFlash block, as vLLM's k)")
     a = p.parse_args()
     from export.vllm_export import run as export_vllm
     from runtime.models.target import resolve_target
 
     contexts = [int(c) for c in a.contexts.split(",")]
     families = [f for f in a.families.split(",") if f]
-    prompts = {str(c): list(heldout_documents(c).values()) for c in contexts}
+    keep = a.documents.split(",") if a.documents else None
+    prompts = {str(c): [ids for name, ids in heldout_documents(c).items() if keep is None or name in keep]
+               for c in contexts}
     a.out.mkdir(parents=True, exist_ok=True)
     target = resolve_target(None)
     runs = [{"name": "vllm target-only", "speculative_config": None}]
@@ -210,11 +217,11 @@ def main() -> None:
         folder, _, backend = rest.partition(":")
         for c in contexts:
             tgt = run_sharpdraft(Path(folder), prompts[str(c)], a.new_tokens, backend=backend or "onnxruntime",
-                                 target_only=True)
+                                 target_only=True, ignore_eos=True)
             rows.append({"config": f"sharpdraft {name} target-only", "context": c, "tokens_per_s": tgt["tokens_per_s"]})
             for on in (True, False):
                 r = run_sharpdraft(Path(folder), prompts[str(c)], a.new_tokens, backend=backend or "onnxruntime",
-                                   query_scale=on)
+                                   query_scale=on, draft_tokens=a.draft_tokens, ignore_eos=True)
                 rows.append({"config": f"sharpdraft {name} scale {'on' if on else 'off'}", "context": c,
                              "mal": r["mal"], "acceptance": r["acceptance_per_pos"],
                              "tokens_per_s": r["tokens_per_s"], "lossless": r["outputs"] == tgt["outputs"]})

@@ -54,6 +54,7 @@ def test_sliding_windows_kept(tmp_path):
     out = run(Family.DFLASH, tmp_path / "d", checkpoint="drafters/dflash-smollm2-135m-swa768-1full")
     cfg, _ = _read(out)
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 768
+    assert cfg["dflash_config"]["causal"] is False
 
 
 def test_eagle3_and_pard(tmp_path, target_tables):
