@@ -12,7 +12,8 @@ What changes against the sharpdraft checkpoint (docs/vllm.md has the measurement
   scores exactly the tokens sharpdraft's runtime scores. ``rope_theta`` is written out (vLLM assumes 1e6 when it
   is absent); sliding-window layers keep ``layer_types`` / ``sliding_window``, with ``dflash_config.causal: false``
   (vLLM would otherwise run them causally; sharpdraft's DFlash layers see the whole block).
-- EAGLE-3: the EAGLE-repo layout as shipped (``d2t`` / ``t2d`` already inside), architecture renamed.
+- EAGLE-3: the EAGLE-repo layout as shipped (``d2t`` / ``t2d`` already inside), architecture renamed; or, with
+  ``--layout speculators``, the speculators layout written by the ``speculators`` library (vLLM's stock class).
 - PARD: a plain Llama checkpoint with its own embedding (the target's table with our mask row written at
   ``--mask-id``, ``pard_token``) and an untied LM head (the target's 49,152 rows): vLLM's draft_model runner
   embeds with the drafter's own table and has no separate mask embedding.
@@ -144,6 +145,27 @@ def export_eagle3(ckpt: Path, target: Path, out: Path, *, arch: str, profile: di
     _write(out, cfg, load_file(ckpt / "model.safetensors"), {}, ckpt)
 
 
+def export_eagle3_speculators(ckpt: Path, target: Path, out: Path, *, profile: dict) -> None:
+    """The speculators layout (``speculators_model_type: eagle3``), converted by the ``speculators`` library itself
+    (0.9.0, installed in .venv-vllm) with our aux layers and norm placement passed on (its converter would drop the
+    aux ids, and vLLM's default for SmolLM2 is (2, 15, 27), not our (2, 15, 28)). vLLM forces this layout's
+    architecture to its stock ``Eagle3LlamaForCausalLM``: the profile is carried, the plugin cannot apply it."""
+    try:
+        from speculators.convert.entrypoints import convert_model
+    except ImportError:
+        raise VllmExportError("--layout speculators needs the `speculators` package (it is in .venv-vllm: run "
+                              "`.venv-vllm/bin/python -m export.vllm_export ...`)") from None
+    eagle = json.loads((ckpt / "config.json").read_text()).get("eagle_config") or {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        convert_model(model=str(ckpt), verifier=str(target), algorithm="eagle3", output_path=f"{tmp}/conv",
+                      eagle_aux_hidden_state_layer_ids=eagle.get("eagle_aux_hidden_state_layer_ids"),
+                      norm_before_residual=bool(eagle.get("norm_before_residual", False)))
+        cfg = json.loads(Path(f"{tmp}/conv/config.json").read_text())
+        cfg[PROFILE_KEY] = profile
+        _write(out, cfg, load_file(f"{tmp}/conv/model.safetensors"), {}, ckpt)
+
+
 def export_pard(ckpt: Path, target: Path, out: Path, *, mask_id: int, arch: str, profile: dict) -> None:
     d = json.loads((ckpt / "config.json").read_text())
     w = load_file(ckpt / "model.safetensors")
@@ -187,7 +209,7 @@ def _write(out: Path, cfg: dict, weights: dict, extra: dict, ckpt: Path) -> None
 
 
 def run(family: Family, out: Path, checkpoint: Path | None = None, target: Path | None = None, *,
-        architecture: str = "sharpdraft", mask: str = "extra-row", mask_id: int = 16, full_vocab: bool = False,
+        architecture: str = "sharpdraft", layout: str = "eagle", mask: str = "extra-row", mask_id: int = 16, full_vocab: bool = False,
         query_scale: bool = True, ref_keys: int | None = None, slope: float | None = None,
         cap: float | None = None) -> Path:
     """Write ``out``; returns it. Raises VllmExportError with the one line to show."""
@@ -200,6 +222,9 @@ def run(family: Family, out: Path, checkpoint: Path | None = None, target: Path 
 
         target = resolve_target(None)
     target = Path(target)
+    if layout == "speculators" and family is not Family.EAGLE3:
+        raise VllmExportError("--layout speculators is for EAGLE-3 only (speculators' DFlash converter refuses our "
+                              "mask_embedding and has no draft vocabulary; PARD has no speculators format)")
     if mask not in MASK_MODES:
         raise VllmExportError(f"--mask must be one of {', '.join(MASK_MODES)}, got {mask!r}")
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -212,6 +237,8 @@ def run(family: Family, out: Path, checkpoint: Path | None = None, target: Path 
     if family is Family.DFLASH:
         export_dflash(ckpt, target, out, mask=mask, mask_id=mask_id, full_vocab=full_vocab, arch=arch,
                       profile=profile)
+    elif family is Family.EAGLE3 and layout == "speculators":
+        export_eagle3_speculators(ckpt, target, out, profile=profile)
     elif family is Family.EAGLE3:
         export_eagle3(ckpt, target, out, arch=arch, profile=profile)
     else:
@@ -235,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="HF target folder (default: the SmolLM2-135M-Instruct folder sharpdraft caches)")
     p.add_argument("--architecture", choices=("sharpdraft", "stock"), default="sharpdraft",
                    help="sharpdraft: the plugin's query-scaled class (default); stock: vLLM's own class")
+    p.add_argument("--layout", choices=("eagle", "speculators"), default="eagle",
+                   help="EAGLE-3: the EAGLE-repo layout (default; the plugin's class) or the speculators layout "
+                        "(converted by the speculators library; vLLM's stock class, no query scale)")
     p.add_argument("--mask", choices=MASK_MODES, default="extra-row", help="DFlash mask token scheme")
     p.add_argument("--mask-id", type=int, default=16, help="--mask in-vocab: the id (default 16, <empty_output>)")
     p.add_argument("--full-vocab", action="store_true", help="DFlash: no draft-vocabulary LM head")
@@ -245,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     try:
         out = run(Family.parse(a.drafter), a.out, a.checkpoint, a.target, architecture=a.architecture,
-                  mask=a.mask, mask_id=a.mask_id, full_vocab=a.full_vocab, query_scale=not a.no_query_scale,
+                  layout=a.layout, mask=a.mask, mask_id=a.mask_id, full_vocab=a.full_vocab, query_scale=not a.no_query_scale,
                   ref_keys=a.ref_keys, slope=a.slope, cap=a.cap)
     except (VllmExportError, ValueError, OSError) as e:
         print(f"sharpdraft-export-vllm: error: {e}", file=sys.stderr)
