@@ -5,6 +5,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
     from export.console import chatter_to_file, tail
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars on stderr would bury the one error line
+    _stop_on_signals()
     log_path = _log_path(out)
     try:
         cfg = ExportConfig(family=family, out=out, checkpoint=checkpoint, target=target, ref_keys=ref_keys,
@@ -89,10 +91,11 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
         click.echo(f"sharpdraft-export: error: {e}", err=True)  # says what to do; the log adds nothing to it
         _drop(log_path)
         sys.exit(1)
-    except KeyboardInterrupt:
-        click.echo("sharpdraft-export: interrupted; nothing was written to --out", err=True)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Stopped): run_export removed its folders
+        name = e.signal_name if isinstance(e, Stopped) else "SIGINT"
+        click.echo(f"sharpdraft-export: interrupted ({name}); nothing was written to --out", err=True)
         _drop(log_path)
-        sys.exit(130)
+        sys.exit(128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT))
     except Exception:
         _point_at_log(log_path, verbose, tail_lines=tail(log_path, 30) if log_path else "")
         raise
@@ -140,6 +143,25 @@ def _fused_line(graph: dict, validation: dict) -> str:
     return (f"fused drafter graph {graph['file']}: {graph['fused_attentions']} attentions as {graph['fused_op']} "
             f"(windows: {windows}), for TensorRT (the runtime runs the portable drafter graph); max |logit diff| vs "
             f"the portable graph at {pts}")
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a ``kill``, a container stop, a closed terminal) raised in the main thread like Ctrl-C:
+    the export unwinds the same way (the builder's process group killed, the temporary folders removed,
+    the old --out untouched) and exits with 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
+        self.signal_name = signal.Signals(signum).name
+
+
+def _stop_on_signals() -> None:
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def _keys(n) -> str:

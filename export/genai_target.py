@@ -28,6 +28,7 @@ layer i, i.e. transformers' ``hidden_states[i]``; sharpdraft's taps are ``hidden
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -113,7 +114,7 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
            "-p", precision, "-e", execution_provider, "-c", str(cache), "--extra_options", *extra]
     log.info("model builder: %s", " ".join(cmd[2:]))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = _run_child(cmd, env)
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
         cause = next((ln for ln in reversed(lines) if "Error" in ln.split(":")[0]), lines[-1]).strip()
@@ -123,6 +124,24 @@ def build_target(hf_dir: Path, out_dir: Path, precision: str, tap_ids: list[int]
     shutil.rmtree(cache, ignore_errors=True)
     return graph_io(out_dir / "model.onnx", num_layers, bool(aux), precision, None if half else accuracy_level,
                     builder_options=extra, execution_provider=execution_provider)
+
+
+def _run_child(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Run the builder in a process group of its own and wait; if this process is interrupted (Ctrl-C, or SIGTERM /
+    SIGHUP through export/cli.py), the whole group is killed before the exception goes on: no builder is left
+    running after its export has stopped."""
+    import signal
+
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def graph_io(path: Path, num_layers: int, taps: bool, precision: str, accuracy_level: int | None,

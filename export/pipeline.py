@@ -6,6 +6,7 @@ tokenizer and manifest with checksums into a temporary sibling folder, then rena
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
@@ -266,8 +267,9 @@ def run_export(cfg: ExportConfig) -> dict:
     k = fam.draft_tokens(drafter, cfg.num_draft_tokens)
     verify = _check_plan(cfg, drafter, target, taps, k)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
-    scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
+    scratch = None
     try:
+        scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-export-"))
         # What the torch target is needed for is computed before its graph is loaded anywhere else: the drafter
         # quantization feed and the validation reference (export/validate.py); then its layers go, so ONNX Runtime
         # GenAI's builder, ONNX Runtime and the drafter's export never run beside a second model (a 2.8 B target is
@@ -348,11 +350,30 @@ def run_export(cfg: ExportConfig) -> dict:
                               "please report it") from e
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _honour_umask(tmp)
-        _replace_dir(tmp, cfg.out)
+        with _signals_held():  # a SIGTERM mid-swap would leave the old folder half moved aside
+            _replace_dir(tmp, cfg.out)
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP (delivered when the block ends) in the main thread; elsewhere a no-op."""
+    import signal
+    import threading
+
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _load_pair(fam: DrafterFamily, ckpt: Path, target_source: str | None):
@@ -599,8 +620,8 @@ def _replace_dir(new: Path, out: Path) -> dict:
     """Move the finished folder ``new`` to ``out``. An existing ``out`` is swapped with it in one atomic exchange
     (the path never goes missing for a server reading it), or, where the system has no exchange, moved aside just
     before. Returns what was replaced: ``{"replaced": bool, "exchange": bool, "extra_files": [...], "kept_at"}``;
-    files the old folder held beyond its own export are never deleted: that folder is kept at
-    ``.<name>.previous`` (replacing an older one) and the files are listed in a warning."""
+    files the old folder held beyond its own export are never deleted: they are moved to ``.<name>.previous``
+    (same relative paths; replacing an older one), listed in a warning; the rest of the old export is removed."""
     if not out.exists():
         os.replace(new, out)
         return {"replaced": False, "exchange": False, "extra_files": [], "kept_at": None}
@@ -613,10 +634,13 @@ def _replace_dir(new: Path, out: Path) -> dict:
         os.replace(out, old)
         os.replace(new, out)
     kept = None
-    if extra:
+    if extra:  # only those files are kept (the old export itself, hundreds of MB, goes)
         kept = out.with_name(f".{out.name}.previous")
         shutil.rmtree(kept, ignore_errors=True)
-        os.replace(old, kept)
+        for rel in extra:
+            (kept / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(old / rel, kept / rel)
+        shutil.rmtree(old, ignore_errors=True)
         log.warning("replaced %s; its %d file(s) not written by sharpdraft-export (%s) are kept in %s", out,
                     len(extra), ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""), kept)
     else:

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class QueueFull(RuntimeError):
     """All running slots and waiting places are taken; retry after ``retry_after_s``."""
 
-    def __init__(self, running: int, waiting: int, retry_after_s: int = 1):
-        super().__init__(f"server is at capacity ({running} running, {waiting} waiting); retry later")
+    def __init__(self, taken: int, max_running: int, max_waiting: int, needed: int = 1, retry_after_s: int = 1):
+        super().__init__(f"server is at capacity: {taken} of {max_running + max_waiting} places taken "
+                         f"({max_running} running + {max_waiting} waiting), this request needs {needed}; retry later")
         self.retry_after_s = retry_after_s
 
 
@@ -177,7 +178,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop() if callback is None else None
         with self._lock:
             if self._pending + len(params) > self.max_running + self.max_waiting:
-                raise QueueFull(self.num_running, self.num_waiting)
+                # counted from admissions, not from the engine's state, which lags the commands just queued
+                raise QueueFull(self._pending, self.max_running, self.max_waiting, len(params))
             self._pending += len(params)
         group = f"group-{next(self._ids)}" if len(params) > 1 else None
         streams = [RequestStream(f"req-{next(self._ids)}", self, loop, callback) for _ in params]

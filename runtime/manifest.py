@@ -339,6 +339,11 @@ def load_manifest(engine_dir: str | Path, verify_checksums: bool = True, require
                 if verify_checksums and sha256_file(f) != digest:
                     raise EngineDirError(f"{root}: checksum mismatch for {rel} ({gname} graph): the file changed "
                                          f"after export; {redo}")
+    tok_dir = root / manifest.tokenizer.dir
+    if not (tok_dir / "tokenizer.json").is_file() and not (tok_dir / "tokenizer_config.json").is_file():
+        # else transformers falls back to the hub and fails with a misleading message (or loads another tokenizer)
+        raise EngineDirError(f"{root}: the tokenizer folder {manifest.tokenizer.dir}/ is missing or holds no "
+                             f"tokenizer.json; {redo}")
     return manifest.to_dict()
 
 

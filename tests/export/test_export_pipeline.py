@@ -263,6 +263,9 @@ def test_replacing_a_folder_keeps_extra_files_and_says_so(tmp_path, tiny_engines
     assert sum(r.getMessage().endswith("...") for r in caplog.records) == phase_lines(cfg) == 4
     kept = tmp_path / ".e.previous"
     assert (kept / "NOTES.md").read_text() == "my notes" and (kept / "target" / "profile.json").is_file()
+    # only those files: the old export itself (103 MB for the default pair) is not kept beside them
+    assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*") if p.is_file()) == [
+        "NOTES.md", "target/profile.json"]
     assert "NOTES.md, target/profile.json" in caplog.text and str(kept) in caplog.text
 
 

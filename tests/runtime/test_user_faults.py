@@ -139,3 +139,48 @@ def test_n_choices_at_the_top_seed_equal_their_n1_requests(client):
     for i, seed in enumerate((SEED_MAX, SEED_MIN)):
         one = client.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]
         assert many[i]["text"] == one["text"]
+
+
+# ---------------------------------------------------------------- the minor items
+def test_queue_full_message_counts_what_was_admitted(engine_for_queue):
+    """The 429 text said "(1 running, 0 waiting)" while the queue was full: the engine's counts lag the admissions
+    just queued. It now counts admissions."""
+    import asyncio
+
+    from runtime.async_engine import QueueFull
+
+    aeng = AsyncEngine(engine_for_queue, max_running=1, max_waiting=1)  # worker not started: nothing runs yet
+
+    async def main():
+        p = SamplingParams(max_new_tokens=4)
+        aeng.submit([1, 2, 3], p)
+        aeng.submit([1, 2, 3], p)
+        with pytest.raises(QueueFull, match=r"2 of 2 places taken \(1 running \+ 1 waiting\), this request needs 1"):
+            aeng.submit([1, 2, 3], p)
+        with pytest.raises(QueueFull, match="this request needs 3"):
+            aeng.submit_group([1, 2, 3], [p] * 3)
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def engine_for_queue(tiny_engines):
+    return SpecEngine.from_dir(tiny_engines, device="cpu")
+
+
+def test_missing_tokenizer_folder_is_one_clear_error(tmp_path, tiny_engines):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from runtime.generate import main as generate
+    from runtime.manifest import EngineDirError
+
+    broken = tmp_path / "engines"
+    shutil.copytree(tiny_engines, broken)
+    shutil.rmtree(broken / "tokenizer")
+    with pytest.raises(EngineDirError, match="the tokenizer folder tokenizer/ is missing"):
+        SpecEngine.from_dir(broken)
+    r = CliRunner().invoke(generate, ["--engine", str(broken), "--prompt", "hi"])
+    assert r.exit_code != 0 and "tokenizer folder tokenizer/ is missing" in r.output
+    assert len(r.output.strip().splitlines()) <= 2 and "huggingface" not in r.output.lower(), r.output
