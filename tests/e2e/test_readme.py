@@ -54,6 +54,7 @@ def _argv(cmd: str, tmp: Path, tiny: dict[str, Path]) -> list[str]:
     """The command as a subprocess argv: console scripts by module, paths under ``tmp``, the tiny pair."""
     argv = shlex.split(cmd)
     head = {"sharpdraft-export": [sys.executable, "-m", "export.cli"],
+            "sharpdraft-export-vllm": [sys.executable, "-m", "export.vllm_export"],
             "sharpdraft-calibrate": [sys.executable, "-m", "export.calibrate"], "python": [sys.executable]}
     argv = head[argv[0]] + argv[1:]
     out = []
@@ -94,7 +95,11 @@ def test_table_command(workdir, index):
     tmp, tiny = workdir
     cmd = table_commands()[index]
     argv = _argv(cmd, tmp, tiny)
-    if cmd.startswith("sharpdraft-export"):
+    if cmd.startswith("sharpdraft-export-vllm"):  # the real shipped drafter: seconds (vLLM itself: tests/vllm)
+        r = _run(argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "wrote" in r.stdout and (tmp / "vllm-dflash" / "config.json").is_file()
+    elif cmd.startswith("sharpdraft-export"):
         if "--checkpoint" not in cmd:
             argv += ["--checkpoint", str(tiny["drafter"])]
         if "--target" not in cmd:
