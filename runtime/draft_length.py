@@ -16,7 +16,8 @@ compute, so engines pick k by load. Two policies, both lossless (k only changes 
   Drafters that draft a block in one pass (DFlash, PARD) pay the same draft cost for any k, so only the verify
   block shrinks or grows.
 
-A request that sets ``num_draft_tokens`` itself keeps it under either policy.
+A request that sets ``num_draft_tokens`` itself keeps it under either policy. :class:`DraftLengthPolicy` combines
+them into each row's k per round (what runtime/engine.py's proposer asks).
 """
 from __future__ import annotations
 
@@ -162,6 +163,56 @@ def top1_probabilities(logits: np.ndarray, support: np.ndarray | None = None) ->
     x = x.astype(np.float64, copy=False)
     m = x.max(axis=-1, keepdims=True)
     return 1.0 / np.exp(x - m).sum(axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftLengthPolicy:
+    """Per round and row, how many draft tokens the loop verifies (before prompt lookup and the confidence cut).
+
+    The request's own ``num_draft_tokens`` wins; else ``by_batch`` (k by the step's rows, capped at the drafter's
+    ``k_max``); else, with ``confidence``, the drafter's ``k_max`` as the ceiling the confidence cut lowers; else the
+    row's default. An :class:`AdaptiveDraftTokens` row lowers it further; a row never drafts past its
+    max_new_tokens (one token is the target's own).
+
+    Attributes:
+        k_max: draft tokens the drafter drafts per round (K); 0 without a drafter.
+        by_batch: k by the number of rows in a step; None = each row's default at any load.
+        confidence: the drafter-confidence cut (:class:`DraftConfidence`); None = a fixed k per round.
+    """
+
+    k_max: int
+    by_batch: DraftTokensByBatch | None = None
+    confidence: DraftConfidence | None = None
+
+    def by_load(self, rows: int) -> int | None:
+        """k for a step of ``rows`` rows from ``by_batch`` (capped at ``k_max``); None without a table or drafter."""
+        if self.by_batch is None or self.k_max <= 0:
+            return None
+        return min(self.by_batch(rows), self.k_max)
+
+    def row(self, k: int, request_k: int | None, remaining: int, by_load: int | None,
+            adaptive: AdaptiveDraftTokens | None) -> int:
+        """k for one row this round.
+
+        Args:
+            k: the row's draft length (0: the row does not speculate).
+            request_k: the request's own num_draft_tokens, or None.
+            remaining: tokens the row may still emit (>= 1).
+            by_load: :meth:`by_load` of this step.
+            adaptive: the row's acceptance-driven length, if any.
+        """
+        if k > 0 and by_load is not None and request_k is None:  # the request's own k wins
+            k = by_load
+        elif k > 0 and self.confidence is not None and request_k is None:
+            k = self.k_max  # the ceiling; the drafter's confidence cuts it below
+        if k > 0 and adaptive is not None:
+            k = min(k, adaptive.k)
+        return min(k, remaining - 1)
+
+    @staticmethod
+    def lookup_cap(remaining: int, by_load: int | None) -> int:
+        """Most tokens a prompt-lookup copy may propose for a row that may still emit ``remaining`` tokens."""
+        return min(remaining - 1, by_load if by_load is not None else 1 << 30)
 
 
 def click_option(default: str | None = None):

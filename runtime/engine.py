@@ -28,14 +28,15 @@ import itertools
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from runtime.backends import DrafterBackend, TargetBackend, check_backend
 from runtime.metrics import SpecStats
 from runtime.modes import Backend, DrafterContext, Verification
-from runtime.draft_length import AdaptiveDraftTokens, DraftConfidence, DraftTokensByBatch, top1_probabilities
+from runtime.draft_length import (AdaptiveDraftTokens, DraftConfidence, DraftLengthPolicy, DraftTokensByBatch,
+                                  top1_probabilities)
 from runtime.prompt_lookup import NgramIndex, PromptLookup
 from runtime.sampling import RowSampler, SamplingParams, TokenLogprob, token_logprob
 from runtime.stops import StopChecker
@@ -94,6 +95,17 @@ class Sequence:
         return GenerationResult(list(self.out), self.finish_reason or "", self.stats, text, lps, plps)
 
 
+@dataclasses.dataclass(slots=True)
+class Proposal:
+    """What one round verifies, per row of the batch (the proposer's output, :meth:`SpecEngine._propose`)."""
+
+    ks: list[int]  # draft tokens verified per row (0: the row decodes target-only this round)
+    drafts: list[list[int]]  # the draft token ids, ``ks[r]`` of them
+    qs: list[np.ndarray | None]  # the draft distributions q ``[k, V]`` for rejection sampling (None: greedy)
+    looked_up: set[int] = dataclasses.field(default_factory=set)  # rows drafted by prompt lookup
+    drafted: list[int] = dataclasses.field(default_factory=list)  # rows drafted by the drafter, in call order
+
+
 class SpecEngine:
     """A target and a drafter backend plus the speculative loop over a ragged batch of sequences.
 
@@ -119,6 +131,13 @@ class SpecEngine:
         batch_invariant_seeds: draft each seeded sampled row in a drafter call of its own (:meth:`_draft_groups`),
             so that at a fixed k a seeded request emits the same tokens alone, as choice i of n, or beside other
             requests; False drafts every row in one call (one drafter call per round, whatever the seeds).
+        online_adapt: a ``runtime.online_adapt.AdaptConfig``: the drafter learns the target's verified tokens after
+            every round (torch backend, DFlash drafter), as a post-verify callback (:attr:`adapter`); None = off.
+        post_verify: callbacks run after every round's commit with the tokens each drafter-drafted row emitted
+            (``list[list[int]]``, in drafter-call order; empty when no row drafted).
+
+    Options reach the engine here or through :meth:`from_dir` (and :meth:`with_options` for a sweep over the same
+    backends); they are read-only afterwards.
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
@@ -126,50 +145,84 @@ class SpecEngine:
                  proposable_vocab: int | None = None, default_draft_tokens: int | None = None,
                  draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False,
                  prompt_lookup: PromptLookup | None = None, draft_confidence: DraftConfidence | None = None,
-                 batch_invariant_seeds: bool = True):
+                 batch_invariant_seeds: bool = True, online_adapt=None,
+                 post_verify: tuple[Callable[[list[list[int]]], None], ...] = ()):
         check_backend(target, TargetBackend)
         if drafter is not None:
             check_backend(drafter, DrafterBackend)
         self.target = target
-        # ids >= this are padding rows (of the drafter's or the target's head): never proposed as draft tokens
-        self.proposable_vocab = min(proposable_vocab or target.vocab_size, target.vocab_size)
         self.drafter = drafter
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self._options = dict(eos_token_ids=eos_token_ids, verification=verification, check_invariants=check_invariants,
+                             manifest=manifest, engine_dir=engine_dir, proposable_vocab=proposable_vocab,
+                             default_draft_tokens=default_draft_tokens, draft_tokens_by_batch=draft_tokens_by_batch,
+                             adaptive_draft_tokens=adaptive_draft_tokens, prompt_lookup=prompt_lookup,
+                             draft_confidence=draft_confidence, batch_invariant_seeds=batch_invariant_seeds)
+        # ids >= this are padding rows (of the drafter's or the target's head): never proposed as draft tokens
+        self._proposable_vocab = min(proposable_vocab or target.vocab_size, target.vocab_size)
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._tokenizer = tokenizer
-        self.verification = Verification.parse(verification or (drafter.verification if drafter is not None
-                                                                 else Verification.REJECTION))
-        self.check_invariants = check_invariants
+        self._verification = Verification.parse(verification or (drafter.verification if drafter is not None
+                                                                  else Verification.REJECTION))
         k_max = drafter.num_draft_tokens if drafter is not None else 0
         # draft tokens verified per round when a request does not say (manifest ``verify_draft_tokens``)
-        self.default_draft_tokens = min(default_draft_tokens or k_max, k_max)
-        self.draft_tokens_by_batch = draft_tokens_by_batch
-        self.adaptive_draft_tokens = adaptive_draft_tokens
-        self.prompt_lookup = prompt_lookup if drafter is not None else None
-        self.draft_confidence = draft_confidence
-        self.batch_invariant_seeds = batch_invariant_seeds
-        self.adapter = None  # online draft adaptation (runtime/online_adapt.py attach); torch backend only
-        self._rounds = 0
-        self.manifest = manifest
-        self.engine_dir = engine_dir
+        self._default_draft_tokens = min(default_draft_tokens or k_max, k_max)
+        self._draft_length = DraftLengthPolicy(k_max, draft_tokens_by_batch, draft_confidence)
+        self._prompt_lookup = prompt_lookup if drafter is not None else None
+        self._adapter = None  # online draft adaptation (runtime/online_adapt.py); torch backend only
+        if online_adapt is not None:
+            from runtime.online_adapt import OnlineAdapter
+
+            self._adapter = OnlineAdapter.for_drafter(drafter, online_adapt)
+            post_verify = (*post_verify, self._adapter.on_verified)
+        self._post_verify = tuple(post_verify)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
+
+    # the options, read-only (a sweep builds a new engine with :meth:`with_options`)
+    manifest = property(lambda self: self._options["manifest"])
+    engine_dir = property(lambda self: self._options["engine_dir"])
+    check_invariants = property(lambda self: self._options["check_invariants"])
+    batch_invariant_seeds = property(lambda self: self._options["batch_invariant_seeds"])
+    adaptive_draft_tokens = property(lambda self: self._options["adaptive_draft_tokens"])
+    draft_tokens_by_batch = property(lambda self: self._draft_length.by_batch)
+    draft_confidence = property(lambda self: self._draft_length.confidence)
+    prompt_lookup = property(lambda self: self._prompt_lookup)
+    verification = property(lambda self: self._verification)
+    default_draft_tokens = property(lambda self: self._default_draft_tokens)
+    proposable_vocab = property(lambda self: self._proposable_vocab)
+    eos_token_ids = property(lambda self: self._eos_token_ids)
+    adapter = property(lambda self: self._adapter, doc="the online adapter (``online_adapt``), or None")
+
+    def with_options(self, **changes) -> "SpecEngine":
+        """A new engine over the same backends, tokenizer and manifest with some constructor options changed (a
+        benchmark's sweep over configurations); ``online_adapt`` attaches an adapter to the shared drafter.
+
+        Raises:
+            RuntimeError: this engine has requests running, or adapts online (its adapter owns the drafter).
+            TypeError: an unknown option.
+        """
+        if self.sequences or self._adapter is not None or self._post_verify:
+            raise RuntimeError("with_options needs an idle engine without online adaptation or post-verify callbacks")
+        return SpecEngine(self.target, self.drafter, tokenizer=self._tokenizer, **{**self._options, **changes})
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str = "auto", threads: int | None = None,
                  check_invariants: bool = False, verify_checksums: bool = True,
-                 backend: str = "onnxruntime") -> "SpecEngine":
+                 backend: str = "onnxruntime", **options) -> "SpecEngine":
         """Load an engines/ folder (runtime/manifest.py checks schema, files and checksums).
 
         ``backend``: "onnxruntime" runs the folder's ONNX graphs; "torch" rebuilds the pair in PyTorch from the
         sources the manifest recorded (target, drafter checkpoint, taps, query-scale profile; the drafter's
         attention on the fused op, runtime/torch_engines.py) and uses the folder's tokenizer. The torch backend
         does not read the graphs, so it skips their checksums; ``threads`` (or ``$SHARPDRAFT_THREADS``) sets
-        torch's process-wide intra-op threads.
+        torch's process-wide intra-op threads. ``options``: the constructor's keyword options (draft length,
+        prompt lookup, verification, online adaptation, ...); ``default_draft_tokens`` defaults to the manifest's
+        ``drafter.verify_draft_tokens``.
 
         Raises:
             EngineDirError: the folder is missing, incomplete or does not match its manifest; torch backend: a
                 recorded source is missing or does not match.
-            ValueError: an unknown backend.
+            ValueError: an unknown backend; online adaptation off the torch backend.
         """
         from runtime.manifest import load_manifest
 
@@ -191,10 +244,10 @@ class SpecEngine:
 
             target = OrtTarget(engine_dir, manifest, device, threads)
             drafter = ort_drafter_class(manifest["drafter"]["family"])(engine_dir, manifest, device, threads)
+        options.setdefault("default_draft_tokens", manifest["drafter"]["verify_draft_tokens"])
         return cls(target, drafter, eos_token_ids=manifest["tokenizer"]["eos_token_ids"],
                    check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir,
-                   proposable_vocab=manifest["tokenizer"]["vocab_size"],
-                   default_draft_tokens=manifest["drafter"]["verify_draft_tokens"])
+                   proposable_vocab=manifest["tokenizer"]["vocab_size"], **options)
 
     @property
     def tokenizer(self):
@@ -362,110 +415,117 @@ class SpecEngine:
         seq.stats.new_tokens = len(seq.out)
         return [token]
 
+    # ---------------------------------------------------------------- one round: propose -> verify -> commit
     def _round(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """One draft -> verify -> commit round over ``seqs`` (module docstring); returns each row's new tokens."""
         t0 = time.perf_counter()
-        ks = []
-        by_load = None if self.draft_tokens_by_batch is None or self.drafter is None else \
-            min(self.draft_tokens_by_batch(len(seqs)), self.drafter.num_draft_tokens)
-        for s in seqs:
-            remaining = s.params.max_new_tokens - len(s.out)  # >= 1
-            k = s.num_draft_tokens
-            if k > 0 and by_load is not None and s.params.num_draft_tokens is None:  # the request's own k wins
-                k = by_load
-            elif k > 0 and self.draft_confidence is not None and s.params.num_draft_tokens is None:
-                k = self.drafter.num_draft_tokens  # the ceiling; the drafter's confidence cuts it below
-            if k > 0 and s.adaptive is not None:
-                k = min(k, s.adaptive.k)
-            k = min(k, remaining - 1)
-            if k > 0 and not self.drafter.can_draft(s.committed):
-                k = 0  # past the drafter's positions: this row continues target-only (exact)
-            ks.append(k)
-        drafts: list[list[int]] = [[] for _ in seqs]
-        qs: list[np.ndarray | None] = [None] * len(seqs)
-        looked_up = set()
-        if self.prompt_lookup is not None:  # n-gram copies first; the drafter drafts the rows without a match
-            for i, s in enumerate(seqs):
-                cap = min(s.params.max_new_tokens - len(s.out) - 1, by_load if by_load is not None else 1 << 30)
-                if s.num_draft_tokens == 0 or cap <= 0:
-                    continue
-                if s.ngram is None:
-                    s.ngram = self.prompt_lookup.new_index()
-                d, _ = s.ngram.propose(s.prompt_ids + s.out, cap)
-                if d:
-                    drafts[i], ks[i] = d, len(d)
-                    looked_up.add(i)
-                    if not s.params.greedy and self.verification == Verification.REJECTION:
-                        qs[i] = np.zeros((len(d), self.target.vocab_size), np.float64)  # a copy is certain: q one-hot
-                        qs[i][np.arange(len(d)), d] = 1.0
-        drafting = [i for i, k in enumerate(ks) if k > 0 and i not in looked_up]
-        for group in self._draft_groups(seqs, drafting):
-            rows = [seqs[i] for i in group]
-            kind = self.drafter.context
-            if kind == DrafterContext.TOKENS:  # PARD: committed token ids
-                contexts = [np.asarray(s.prompt_ids + s.out[:-1], np.int64) for s in rows]
-            elif kind == DrafterContext.FEATURES_AND_TOKENS:  # EAGLE-3: (features not cached yet, committed token ids)
-                contexts = [(s.pending_ctx, np.asarray(s.prompt_ids + s.out[:-1], np.int64)) for s in rows]
-            else:  # DFlash: target features of the positions the drafter has not cached
-                contexts = [s.pending_ctx for s in rows]
-            args = ([s.drafter_cache for s in rows], [s.out[-1] for s in rows], contexts)
-            kw = {"num_tokens": max(ks[i] for i in group)}  # the drafter may skip slots nobody verifies
-            if not all(s.params.query_scale for s in rows):
-                kw["query_scale"] = [s.params.query_scale for s in rows]
-            logits = self.drafter.draft(*args, **kw)
-            if self.draft_confidence is not None:  # softmax over the draft vocabulary's columns only
-                support = self.drafter.draft_ids if getattr(self.drafter, "draft_vocab_enabled", False) else None
-            for i, s, lg in zip(group, rows, logits):
-                s.pending_ctx = s.pending_ctx[:0]
-                if self.draft_confidence is not None:
-                    ks[i] = self.draft_confidence.length(top1_probabilities(lg[: ks[i]], support))
-                drafts[i], qs[i] = s.sampler.draft(self._draft_logits(lg, ks[i]), self.verification)
+        proposal = self._propose(seqs)
         t1 = time.perf_counter()
         logits, feats = self.target.forward([s.target_cache for s in seqs],
-                                            [[s.out[-1], *d] for s, d in zip(seqs, drafts)])
+                                            [[s.out[-1], *d] for s, d in zip(seqs, proposal.drafts)])
         t2 = time.perf_counter()
         emitted = []
-        learned = {}
-        for r, (s, k) in enumerate(zip(seqs, ks)):
-            base = s.committed  # before this round: the target cache held `base` tokens, then 1 + k were appended
-            accepted, new = s.sampler.verify(drafts[r], qs[r], logits[r, : k + 1], self.verification)
-            before = len(s.out)
-            s.finish_reason = s.stopper.extend(s.out, new)
-            n_new = len(s.out) - before
-            if self.adapter is not None:
-                learned[r] = s.out[before:]
-            if s.token_logprobs is not None:  # emitted token j was drawn from verify row j (trimmed like the ids)
-                s.token_logprobs.extend(token_logprob(logits[r, j], s.out[before + j], s.params)
-                                        for j in range(n_new))
-            if k > 0:
-                s.stats.record_round(min(accepted, n_new), k)
-                if r in looked_up:
-                    s.stats.lookup_rounds += 1
-                    s.stats.lookup_accepted += min(accepted, n_new)
-                elif s.adaptive is not None:
-                    s.adaptive.update(k, accepted)
+        for r, s in enumerate(seqs):
+            emitted.append((s, self._commit(s, proposal, r, logits[r], feats[r])))
             s.stats.draft_s += t1 - t0
             s.stats.verify_s += t2 - t1
-            s.stats.new_tokens = len(s.out)
-            if s.finished:
-                s.target_cache = s.drafter_cache = s.pending_ctx = None  # release at once
-            else:
-                s.target_cache.truncate(base + n_new)  # x_s and the emitted tokens but the new pending bonus
-                if s.pending_ctx is not None:
-                    s.pending_ctx = np.concatenate([s.pending_ctx, feats[r, :n_new]], axis=0)
-                if self.check_invariants:
-                    self._check_round(s, drafts[r])
-            emitted.append((s, s.out[before:]))
-        if self.adapter is not None and drafting:  # the drafter learns the target's tokens after each bonus
-            for idx, i in enumerate(drafting):
-                ex = self.drafter.examples[idx]
-                ex.labels = list(learned[i][: self.drafter.num_draft_tokens])
-                self.adapter.record(ex)
-            self._rounds += 1
-            self.adapter.maybe_step(self._rounds)
+        drafted = [emitted[i][1] for i in proposal.drafted]
+        for callback in self._post_verify:  # e.g. online adaptation: the drafter learns the target's tokens
+            callback(drafted)
         dt = time.perf_counter() - t0
         for s in seqs:
             s.stats.decode_s += dt
         return emitted
+
+    def _propose(self, seqs: list[Sequence]) -> "Proposal":
+        """The round's draft tokens per row (vLLM v1's proposer): k by :class:`DraftLengthPolicy`, prompt-lookup
+        copies first, then the drafter for the rows without one, in the calls :meth:`_draft_groups` says."""
+        by_load = None if self.drafter is None else self._draft_length.by_load(len(seqs))
+        ks = []
+        for s in seqs:
+            k = self._draft_length.row(s.num_draft_tokens, s.params.num_draft_tokens,
+                                       s.params.max_new_tokens - len(s.out), by_load, s.adaptive)
+            if k > 0 and not self.drafter.can_draft(s.committed):
+                k = 0  # past the drafter's positions: this row continues target-only (exact)
+            ks.append(k)
+        proposal = Proposal(ks, [[] for _ in seqs], [None] * len(seqs))
+        if self._prompt_lookup is not None:  # n-gram copies first; the drafter drafts the rows without a match
+            for i, s in enumerate(seqs):
+                self._propose_lookup(s, i, proposal, by_load)
+        drafting = [i for i, k in enumerate(ks) if k > 0 and i not in proposal.looked_up]
+        for group in self._draft_groups(seqs, drafting):
+            self._propose_drafter([seqs[i] for i in group], group, proposal)
+            proposal.drafted += group
+        return proposal
+
+    def _propose_lookup(self, s: Sequence, i: int, proposal: "Proposal", by_load: int | None) -> None:
+        """Row ``i``'s prompt-lookup copy (runtime/prompt_lookup.py), when its last tokens occurred before."""
+        cap = self._draft_length.lookup_cap(s.params.max_new_tokens - len(s.out), by_load)
+        if s.num_draft_tokens == 0 or cap <= 0:
+            return
+        if s.ngram is None:
+            s.ngram = self._prompt_lookup.new_index()
+        d, _ = s.ngram.propose(s.prompt_ids + s.out, cap)
+        if d:
+            proposal.drafts[i], proposal.ks[i] = d, len(d)
+            proposal.looked_up.add(i)
+            if not s.params.greedy and self._verification == Verification.REJECTION:
+                q = np.zeros((len(d), self.target.vocab_size), np.float64)  # a copy is certain: q one-hot
+                q[np.arange(len(d)), d] = 1.0
+                proposal.qs[i] = q
+
+    def _propose_drafter(self, rows: list[Sequence], group: list[int], proposal: "Proposal") -> None:
+        """One drafter call over ``rows`` (indices ``group``): their draft tokens and q, k cut by confidence."""
+        kind = self.drafter.context
+        if kind == DrafterContext.TOKENS:  # PARD: committed token ids
+            contexts = [np.asarray(s.prompt_ids + s.out[:-1], np.int64) for s in rows]
+        elif kind == DrafterContext.FEATURES_AND_TOKENS:  # EAGLE-3: (features not cached yet, committed token ids)
+            contexts = [(s.pending_ctx, np.asarray(s.prompt_ids + s.out[:-1], np.int64)) for s in rows]
+        else:  # DFlash: target features of the positions the drafter has not cached
+            contexts = [s.pending_ctx for s in rows]
+        ks = proposal.ks
+        kw = {"num_tokens": max(ks[i] for i in group)}  # the drafter may skip slots nobody verifies
+        if not all(s.params.query_scale for s in rows):
+            kw["query_scale"] = [s.params.query_scale for s in rows]
+        logits = self.drafter.draft([s.drafter_cache for s in rows], [s.out[-1] for s in rows], contexts, **kw)
+        confidence = self._draft_length.confidence
+        if confidence is not None:  # softmax over the draft vocabulary's columns only
+            support = self.drafter.draft_ids if getattr(self.drafter, "draft_vocab_enabled", False) else None
+        for i, s, lg in zip(group, rows, logits):
+            s.pending_ctx = s.pending_ctx[:0]
+            if confidence is not None:
+                ks[i] = confidence.length(top1_probabilities(lg[: ks[i]], support))
+            proposal.drafts[i], proposal.qs[i] = s.sampler.draft(self._draft_logits(lg, ks[i]), self._verification)
+
+    def _commit(self, s: Sequence, proposal: "Proposal", r: int, logits: np.ndarray, feats: np.ndarray) -> list[int]:
+        """Row ``r``'s verification (greedy prefix or rejection sampling, runtime/sampling.py) and commit: the
+        emitted tokens (cut at a stop / max_new_tokens), their logprobs, statistics, the caches rolled back to the
+        committed length and the emitted positions' features queued for the drafter. Returns the new tokens."""
+        k, drafts = proposal.ks[r], proposal.drafts[r]
+        base = s.committed  # before this round: the target cache held `base` tokens, then 1 + k were appended
+        accepted, new = s.sampler.verify(drafts, proposal.qs[r], logits[: k + 1], self._verification)
+        before = len(s.out)
+        s.finish_reason = s.stopper.extend(s.out, new)
+        n_new = len(s.out) - before
+        if s.token_logprobs is not None:  # emitted token j was drawn from verify row j (trimmed like the ids)
+            s.token_logprobs.extend(token_logprob(logits[j], s.out[before + j], s.params) for j in range(n_new))
+        if k > 0:
+            s.stats.record_round(min(accepted, n_new), k)
+            if r in proposal.looked_up:
+                s.stats.lookup_rounds += 1
+                s.stats.lookup_accepted += min(accepted, n_new)
+            elif s.adaptive is not None:
+                s.adaptive.update(k, accepted)
+        s.stats.new_tokens = len(s.out)
+        if s.finished:
+            s.target_cache = s.drafter_cache = s.pending_ctx = None  # release at once
+        else:
+            s.target_cache.truncate(base + n_new)  # x_s and the emitted tokens but the new pending bonus
+            if s.pending_ctx is not None:
+                s.pending_ctx = np.concatenate([s.pending_ctx, feats[:n_new]], axis=0)
+            if self.check_invariants:
+                self._check_round(s, drafts)
+        return s.out[before:]
 
     def _draft_groups(self, seqs: list[Sequence], drafting: list[int]) -> list[list[int]]:
         """The drafter calls of a round: one over ``drafting`` (row indices into ``seqs``), except that with
@@ -481,7 +541,7 @@ class SpecEngine:
         """
         if not drafting:
             return []
-        if not self.batch_invariant_seeds or self.adapter is not None:
+        if not self.batch_invariant_seeds or self._adapter is not None:
             return [drafting]
         alone = [i for i in drafting if seqs[i].params.seed is not None and not seqs[i].params.greedy]
         rest = [i for i in drafting if i not in alone]
@@ -494,7 +554,7 @@ class SpecEngine:
         be drafted, greedy or sampled, and q has the target's width for the rejection test.
         """
         out = np.full((k, self.target.vocab_size), -np.inf, np.float32)
-        width = min(logits.shape[-1], self.proposable_vocab)
+        width = min(logits.shape[-1], self._proposable_vocab)
         out[:, :width] = logits[:k, :width]
         return out
 

@@ -62,14 +62,14 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     from runtime.sampling import SamplingParams
 
     try:
-        engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
-        engine.prompt_lookup = prompt_lookup
-        engine.draft_confidence = draft_confidence
-        adapter = None
+        adapt = None
         if online_adapt is not None:
-            from runtime.online_adapt import AdaptConfig, attach
+            from runtime.online_adapt import AdaptConfig
 
-            adapter = attach(engine, AdaptConfig(online_adapt, adapt_rank, adapt_lr, adapt_interval))
+            adapt = AdaptConfig(online_adapt, adapt_rank, adapt_lr, adapt_interval)
+        engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend, prompt_lookup=prompt_lookup,
+                                     draft_confidence=draft_confidence, online_adapt=adapt)
+        adapter = engine.adapter
         tok = engine.tokenizer
         ids = tok.encode(prompt) if raw else tok.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -23,6 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.modes import AttentionImpl
+from runtime.torch_engines import BlockInputs, TorchDFlashDrafter
+
 MODES = ("lora", "full")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -54,34 +57,11 @@ class AdaptConfig:
 
 @dataclasses.dataclass
 class _Example:
-    """One drafting row of a round: the block forward's inputs (detached) and the target's tokens after it."""
+    """One drafting row of a round: the block forward's inputs (the drafter's record) and the target's tokens
+    after the bonus token."""
 
-    block_ids: torch.Tensor  # [B] int64
-    target_hidden: torch.Tensor  # [c, F] context rows fed in that round
-    position_ids: torch.Tensor  # [c + B]
-    past_kv: list  # per layer (k, v) [1, kv_heads, past, head_dim], detached
+    inputs: BlockInputs
     labels: list[int]  # the target's tokens at block slots 1..m
-
-
-def attach(engine, config: AdaptConfig) -> "OnlineAdapter":
-    """Turn on online adaptation for a torch-backend engine (``SpecEngine.from_dir(..., backend="torch")``): its
-    drafter runs on the eager attention (gradients flow through it) and records each round's block inputs.
-
-    Raises:
-        ValueError: another backend or family (the ONNX graphs are frozen; PARD / EAGLE-3 run on ONNX Runtime).
-        ImportError: LoRA without ``peft``.
-    """
-    from runtime.modes import AttentionImpl
-    from runtime.torch_engines import TorchDFlashDrafter
-
-    if not isinstance(engine.drafter, TorchDFlashDrafter):
-        raise ValueError("online adaptation runs on the torch backend with a DFlash drafter (--backend torch); the "
-                         "ONNX Runtime graphs are frozen")
-    engine.drafter.model.attention_impl = AttentionImpl.EAGER
-    adapter = OnlineAdapter(engine.drafter, config)
-    engine.drafter.examples = []
-    engine.adapter = adapter
-    return adapter
 
 
 class OnlineAdapter:
@@ -90,6 +70,24 @@ class OnlineAdapter:
     Raises:
         ImportError: ``mode="lora"`` without the ``peft`` package (``pip install peft``).
     """
+
+    @classmethod
+    def for_drafter(cls, drafter, config: AdaptConfig) -> "OnlineAdapter":
+        """An adapter for a torch-backend engine's drafter (``SpecEngine(..., online_adapt=config)``): the drafter
+        runs on the eager attention (gradients flow through it) and records each round's block inputs; the engine
+        calls :meth:`on_verified` after every round.
+
+        Raises:
+            ValueError: another backend or family (the ONNX graphs are frozen; PARD / EAGLE-3 run on ONNX Runtime).
+            ImportError: LoRA without ``peft``.
+        """
+        if not isinstance(drafter, TorchDFlashDrafter):
+            raise ValueError("online adaptation runs on the torch backend with a DFlash drafter (--backend torch); "
+                             "the ONNX Runtime graphs are frozen")
+        drafter.model.attention_impl = AttentionImpl.EAGER
+        adapter = cls(drafter, config)
+        drafter.record_examples()
+        return adapter
 
     def __init__(self, drafter, config: AdaptConfig):
         self.drafter, self.config = drafter, config
@@ -112,6 +110,7 @@ class OnlineAdapter:
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         self.pending: list[_Example] = []
         self.steps = 0
+        self.rounds = 0  # rounds in which the drafter drafted
         self.losses: list[float] = []
 
     @property
@@ -122,6 +121,16 @@ class OnlineAdapter:
         """Queue one row's round; a gradient step runs every ``interval`` recorded rounds' worth of rows."""
         if example.labels:
             self.pending.append(example)
+
+    def on_verified(self, emitted: list[list[int]]) -> None:
+        """The engine's post-verify callback: ``emitted`` holds, per row the drafter drafted this round (in its
+        call order), the tokens the target emitted; each becomes that row's labels (up to the drafter's K)."""
+        if not emitted:
+            return
+        for inputs, tokens in zip(self.drafter.take_examples(), emitted):
+            self.record(_Example(inputs, list(tokens[: self.drafter.num_draft_tokens])))
+        self.rounds += 1
+        self.maybe_step(self.rounds)
 
     def maybe_step(self, rounds: int) -> float | None:
         """Run a step when ``rounds`` (the engine's round counter) reaches the interval. Returns the loss."""
@@ -136,9 +145,10 @@ class OnlineAdapter:
         model.train()
         losses = []
         for ex in examples:
-            emb = model.embed_block(ex.block_ids[None], d.embed_weight)
-            keys = ex.past_kv[0][0].shape[2] + ex.position_ids.shape[0]
-            h, _ = model(emb, ex.target_hidden[None], ex.position_ids[None], ex.past_kv, profile=d.profile,
+            x = ex.inputs
+            emb = model.embed_block(x.block_ids[None], d.embed_weight)
+            keys = x.past_kv[0][0].shape[2] + x.position_ids.shape[0]
+            h, _ = model(emb, x.target_hidden[None], x.position_ids[None], x.past_kv, profile=d.profile,
                          key_mask=torch.ones(1, keys, dtype=torch.long, device=d.device))
             m = len(ex.labels)
             logits = h[0, 1:1 + m] @ d.lm_head_weight.T

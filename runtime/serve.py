@@ -503,12 +503,11 @@ def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--draft-tokens-by-batch") from e
     try:
-        engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend)
+        engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend, draft_tokens_by_batch=table,
+                                     adaptive_draft_tokens=adaptive_draft_tokens, prompt_lookup=prompt_lookup,
+                                     draft_confidence=draft_confidence)
     except (EngineDirError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
-    engine.draft_tokens_by_batch, engine.adaptive_draft_tokens = table, adaptive_draft_tokens
-    engine.prompt_lookup = prompt_lookup
-    engine.draft_confidence = draft_confidence
     _ = engine.tokenizer  # load before serving
     app = create_app(AsyncEngine(engine, max_running, max_waiting), model_name or engine_dir.resolve().name)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -17,6 +17,7 @@ Sources: :func:`torch_pair_from_manifest` rebuilds the pair an engines/ folder w
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,16 @@ def _forward_params(module) -> set[str]:
     return set(inspect.signature(module.forward).parameters)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockInputs:
+    """One drafted row's block forward inputs (detached), as :meth:`TorchDFlashDrafter.draft` fed them."""
+
+    block_ids: torch.Tensor  # [B] int64
+    target_hidden: torch.Tensor  # [c, F] context rows fed in that round
+    position_ids: torch.Tensor  # [c + B]
+    past_kv: list  # per layer (k, v) [1, kv_heads, past, head_dim], detached
+
+
 class TorchDFlashDrafter:
     """DFlash drafter in PyTorch with its attention on ``torch.ops.sharpdraft.query_scaled_attention``.
 
@@ -201,7 +212,18 @@ class TorchDFlashDrafter:
         self.vocab_size = int(self.lm_head_weight.shape[0])
         self.num_layers, self.kv_heads, self.head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.draft_ids: torch.Tensor | None = None
-        self.examples: list | None = None  # online adaptation (runtime/online_adapt.py): each row's block inputs
+        # online adaptation (runtime/online_adapt.py): each drafted row's block inputs, appended per call in row order
+        # until the adapter takes them (:meth:`take_examples`); None = not recorded
+        self.examples: list[BlockInputs] | None = None
+
+    def record_examples(self) -> None:
+        """Record each drafted row's block inputs from now on (online adaptation, runtime/online_adapt.py)."""
+        self.examples = []
+
+    def take_examples(self) -> list[BlockInputs]:
+        """The block inputs recorded since the last call, in drafted-row order (empty when not recording)."""
+        out, self.examples = self.examples or [], ([] if self.examples is not None else None)
+        return out
 
     def set_draft_ids(self, draft_ids) -> None:
         """Score only these target ids (int ``[V]``, runtime/draft_vocab.py); None = the whole vocabulary."""
@@ -299,12 +321,10 @@ class TorchDFlashDrafter:
             logits[..., self.draft_ids] = torch.matmul(h[:, 1:], self.lm_head_weight[self.draft_ids].transpose(0, 1))
         unpad_present([t for pair in new_kv for t in pair], caches, l_max, ctx_lens)
         if self.examples is not None:
-            from runtime.online_adapt import _Example
-
-            self.examples = [_Example(ids[r].clone(), hidden[r, :n].clone(),
-                                      torch.cat([pos[r, :n], pos[r, c_max:]]).clone(),
-                                      [(before[r][2 * i], before[r][2 * i + 1]) for i in range(self.num_layers)], [])
-                             for r, n in enumerate(ctx_lens)]
+            self.examples += [BlockInputs(ids[r].clone(), hidden[r, :n].clone(),
+                                          torch.cat([pos[r, :n], pos[r, c_max:]]).clone(),
+                                          [(before[r][2 * i], before[r][2 * i + 1]) for i in range(self.num_layers)])
+                              for r, n in enumerate(ctx_lens)]
         return logits.float().cpu().numpy()
 
 
@@ -314,8 +334,6 @@ def manifest_profile(manifest: dict[str, Any]) -> QueryScaleProfile:
     Raises:
         ValueError: a field of the profile is invalid.
     """
-    import dataclasses
-
     names = {f.name for f in dataclasses.fields(QueryScaleProfile)}
     return QueryScaleProfile.from_dict({k: v for k, v in manifest["query_scale"].items() if k in names})
 

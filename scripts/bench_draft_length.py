@@ -102,8 +102,8 @@ def main(engine_dir: Path, context: int, chat: int, new_tokens: int, repeats: in
     if "target-only" not in names:
         names.insert(0, "target-only")
         settings["target-only"] = parse_config("target-only")
-    engine = SpecEngine.from_dir(engine_dir)
-    engine.prompt_lookup = prompt_lookup
+    engine = SpecEngine.from_dir(engine_dir, prompt_lookup=prompt_lookup)
+    by_confidence = {}  # one engine per confidence setting, over the same backends
     prompts = build_prompts(engine.tokenizer, context, chat)
     engine.generate(next(iter(prompts.values()))[:8], 4)  # warm-up
     rows = []
@@ -114,10 +114,11 @@ def main(engine_dir: Path, context: int, chat: int, new_tokens: int, repeats: in
         for rep in range(repeats):
             for c in rotated(names, p + rep * max(1, len(names) // repeats)):
                 s = settings[c]
-                engine.draft_confidence = s["confidence"]
+                if s["confidence"] not in by_confidence:
+                    by_confidence[s["confidence"]] = engine.with_options(draft_confidence=s["confidence"])
                 params = SamplingParams(max_new_tokens=new_tokens, num_draft_tokens=s["k"],
                                         speculative=s["speculative"])
-                out = engine.generate(ids, params=params)
+                out = by_confidence[s["confidence"]].generate(ids, params=params)
                 if ref is None and c == "target-only":
                     ref = out.token_ids
                 if ref is not None and out.token_ids != ref:

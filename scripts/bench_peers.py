@@ -225,6 +225,8 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
     if engine_fp32 is not None:
         engines["fp32"] = SpecEngine.from_dir(engine_fp32)
     tok = engines["int4"].tokenizer
+    # the "+lookup" rows: the same backends with prompt lookup on
+    with_lookup = {n: e.with_options(prompt_lookup=prompt_lookup) for n, e in engines.items()} if prompt_lookup else {}
     hf_dir = resolve_target(engines["int4"].manifest["target"]["source"])
     peers = {"ortgenai-int4": og.Model(str(build_peer(hf_dir, peer_dir / "int4", "int4")))}
     if not no_fp32_peer:
@@ -256,11 +258,7 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
             finally:
                 engine.target.min_q = saved
         if c.endswith("+lookup"):
-            engine.prompt_lookup = prompt_lookup
-            try:
-                return run_ort(engine, ids, new_tokens, speculative=True)
-            finally:
-                engine.prompt_lookup = None
+            return run_ort(with_lookup["fp32" if "fp32" in c else "int4"], ids, new_tokens, speculative=True)
         return run_ort(engine, ids, new_tokens, speculative="target-only" not in c)
 
     warm = next(iter(prompts.values()))[:64]

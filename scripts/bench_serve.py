@@ -19,6 +19,7 @@ Writes JSON and a PNG (throughput and TTFT vs concurrency).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import threading
@@ -208,16 +209,17 @@ def main(engine_dir, concurrency, requests, max_tokens, context, chat, configs, 
               "date": time.strftime("%Y-%m-%d"), "configs": cfgs, "max_tokens": max_tokens, "context": context,
               "table": str(by_batch), "verify_draft_tokens": engine.default_draft_tokens,
               "prompts": [n for n, _ in prompts], "levels": {}}
-    aeng = AsyncEngine(engine, max_running=max_running, max_waiting=4 * max(levels))
-    with serve_in_thread(aeng, "bench") as url:
-        run_level(url, "bench", prompts, 1, 2, 8, True, 60)  # warm-up (graph init, first allocations)
+    with contextlib.ExitStack() as stack:  # one server per configuration, all over the same backends
+        urls = {cfg: stack.enter_context(serve_in_thread(AsyncEngine(
+            engine.with_options(adaptive_draft_tokens=cfg == "adaptive",
+                                draft_tokens_by_batch=by_batch if cfg == "by-batch" else None),
+            max_running=max_running, max_waiting=4 * max(levels)), "bench")) for cfg in cfgs}
+        run_level(urls[cfgs[0]], "bench", prompts, 1, 2, 8, True, 60)  # warm-up (graph init, first allocations)
         for li, c in enumerate(levels):
             order = rotated(cfgs, li)  # rotated per level
             result["levels"][str(c)] = {}
             for cfg in order:
-                engine.adaptive_draft_tokens = cfg == "adaptive"
-                engine.draft_tokens_by_batch = by_batch if cfg == "by-batch" else None
-                row = run_level(url, "bench", prompts, c, max(requests, c), max_tokens, cfg != "target-only",
+                row = run_level(urls[cfg], "bench", prompts, c, max(requests, c), max_tokens, cfg != "target-only",
                                 level_seconds)
                 result["levels"][str(c)][cfg] = row
                 click.echo(f"c={c:3d} {cfg:12s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT "

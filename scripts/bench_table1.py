@@ -91,12 +91,14 @@ def _worker(engine_dir: Path, config: str, prompts: dict[str, list[int]], new_to
     from runtime.sampling import SamplingParams
 
     torch_backend = config in TORCH_CONFIGS
-    engine = SpecEngine.from_dir(engine_dir, threads=threads, backend="torch" if torch_backend else "onnxruntime")
-    adapter = None
+    online = None
     if config in ONLINE:
-        from runtime.online_adapt import AdaptConfig, attach
+        from runtime.online_adapt import AdaptConfig
 
-        adapter = attach(engine, AdaptConfig(ONLINE[config], adapt["rank"], adapt["lr"], adapt["interval"]))
+        online = AdaptConfig(ONLINE[config], adapt["rank"], adapt["lr"], adapt["interval"])
+    engine = SpecEngine.from_dir(engine_dir, threads=threads, backend="torch" if torch_backend else "onnxruntime",
+                                 online_adapt=online)
+    adapter = engine.adapter
     speculative = config not in ("target-only", TORCH_BASE)
     first = next(iter(prompts.values()))
     engine.generate(first[:16], 4, speculative=speculative)  # warm-up

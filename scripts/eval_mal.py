@@ -56,11 +56,8 @@ from training.corpus import END_TOKEN, heldout_prompts, mean_by_kind
 def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature: float, top_p: float,
          verification: str | None, seed: int, end_token: int, compare_query_scale: bool, draft_tokens: int | None,
          prompt_lookup: PromptLookup | None, draft_confidence: DraftConfidence | None, json_out: Path | None):
-    engine = SpecEngine.from_dir(engine_dir)
-    engine.prompt_lookup = prompt_lookup
-    engine.draft_confidence = draft_confidence
-    if verification:
-        engine.verification = verification
+    engine = SpecEngine.from_dir(engine_dir, prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,
+                                 verification=verification or None)
     prompts = heldout_prompts(engine.tokenizer, context, chat, end_token)
     engine.generate(prompts[next(iter(prompts))][:8], 4)  # warm-up
     rows = []

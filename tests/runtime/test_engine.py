@@ -92,7 +92,7 @@ def test_stop_token_inside_accepted_block(tiny_engines):
             break
     assert at is not None, "no prompt gives a fresh mid-block token on the tiny target"
     ref = _replay(eng, ids, 20)
-    eng.eos_token_ids = frozenset({ref[at]})
+    eng = eng.with_options(eos_token_ids=frozenset({ref[at]}))  # the same backends, that token as eos
     out = eng.generate(ids, 20)
     assert out.token_ids == ref[: at + 1] and out.finish_reason == "stop"
     assert not eng.sequences  # finished: its caches were released

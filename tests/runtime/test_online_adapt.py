@@ -4,21 +4,22 @@ import pytest
 import torch
 
 from runtime.engine import SpecEngine
-from runtime.online_adapt import LORA_TARGETS, AdaptConfig, attach
+from runtime.online_adapt import LORA_TARGETS, AdaptConfig
 
 pytest.importorskip("peft")
 PROMPT = "def add(a, b):\n    return a + b\n" * 4
 
 
-def _engine(tiny_engines):
-    return SpecEngine.from_dir(tiny_engines, device="cpu", backend="torch", check_invariants=True)
+def _engine(tiny_engines, **options):
+    return SpecEngine.from_dir(tiny_engines, device="cpu", backend="torch", check_invariants=True, **options)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_adaptation_is_lossless_and_moves_only_what_it_trains(tiny_engines, mode):
     e = _engine(tiny_engines)
     base = {n: p.detach().clone() for n, p in e.drafter.model.named_parameters()}
-    ad = attach(e, AdaptConfig(mode=mode, rank=4, lr=1e-2))
+    e = e.with_options(online_adapt=AdaptConfig(mode=mode, rank=4, lr=1e-2))  # the same drafter, now adapting
+    ad = e.adapter
     ids = e.tokenizer.encode(PROMPT)
     out = e.generate(ids, 32)
     assert out.token_ids == e.generate_target_only(ids, 32).token_ids and out.stats.rounds > 0
@@ -38,8 +39,8 @@ def test_adaptation_is_lossless_and_moves_only_what_it_trains(tiny_engines, mode
 
 
 def test_the_loss_falls_on_repeated_rounds(tiny_engines):
-    e = _engine(tiny_engines)
-    ad = attach(e, AdaptConfig(mode="lora", rank=8, lr=5e-2, interval=1000))  # collect, step by hand
+    e = _engine(tiny_engines, online_adapt=AdaptConfig(mode="lora", rank=8, lr=5e-2, interval=1000))  # collect,
+    ad = e.adapter  # step by hand
     e.generate(e.tokenizer.encode(PROMPT), 16)
     examples = list(ad.pending)
     assert examples and all(ex.labels for ex in examples)
@@ -51,7 +52,7 @@ def test_the_loss_falls_on_repeated_rounds(tiny_engines):
 
 def test_refusals(tiny_engines):
     with pytest.raises(ValueError, match="torch backend"):
-        attach(SpecEngine.from_dir(tiny_engines, device="cpu"), AdaptConfig())
+        SpecEngine.from_dir(tiny_engines, device="cpu", online_adapt=AdaptConfig())
     with pytest.raises(ValueError, match="mode must be one of lora, full"):
         AdaptConfig(mode="qlora")
     with pytest.raises(ValueError, match="positive"):

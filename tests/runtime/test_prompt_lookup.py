@@ -93,9 +93,8 @@ def test_one_hot_q_keeps_the_target_distribution():
 
 @pytest.fixture(scope="module")
 def engine(tiny_engines):
-    eng = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
-    eng.prompt_lookup = PromptLookup(min_ngram=1, max_ngram=3, num_tokens=6)
-    return eng
+    return SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True,
+                               prompt_lookup=PromptLookup(min_ngram=1, max_ngram=3, num_tokens=6))
 
 
 PROMPTS = ["a b c a b c a b c a b", "def f(x):\n    return x\ndef f(x):\n", "The quick brown fox", "1, 2, 1, 2, 1,"]
