@@ -16,7 +16,8 @@ from pathlib import Path
 
 from export.vllm_export import run as export_vllm
 from plugins.rule import Family
-from scripts.bench_vllm import REPO, VLLM_PYTHON, resolve_default_target, run_sharpdraft, run_vllm, speculative_config
+# scripts/ is this script's own folder (sys.path[0] when run as `python scripts/check_vllm_families.py`)
+from bench_vllm import REPO, VLLM_PYTHON, resolve_default_target, run_sharpdraft, run_vllm, speculative_config
 
 NEW_TOKENS = 48
 
