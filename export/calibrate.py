@@ -44,7 +44,7 @@ import torch
 
 from plugins.dilution import beta_for_mass, fit_profile, identity_residual, topk_stats
 from plugins.rule import Family, QueryScaleProfile
-from runtime.models import attention_probe
+from export.probing import ROWS_PER_N, TOP_K, row_keys  # noqa: F401 (calibrate.row_keys: the grid's N)
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +52,6 @@ logger = logging.getLogger(__name__)
 # only) and the Python reference manual's topics (prose). Evaluation documents (scripts/corpus.py heldout) differ.
 DEFAULT_MODULES = ("email/_header_value_parser.py", "asyncio/base_events.py", "logging/__init__.py")
 DEFAULT_N_GRID = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-TOP_K = QueryScaleProfile().top_k
-ROWS_PER_N = 16  # anchors (DFlash) or query rows (causal) per document and grid point
-
-
-def row_keys(n: int) -> list[int]:
-    """The N of the ``ROWS_PER_N`` samples taken for grid point ``n``: n, n - step, ... with step = max(1, n // 256)
-    (a spread of at most ~6% of n), those > top_k only."""
-    step = max(1, n // 256)
-    return [n - j * step for j in range(ROWS_PER_N) if n - j * step > TOP_K]
-
-
-
 class CalibrationError(RuntimeError):
     """Calibration cannot run (unknown family, too-short documents, bad grid); the message says what to change."""
 
@@ -87,182 +75,6 @@ def default_texts(min_tokens: int, tokenizer) -> dict[str, list[int]]:
     if not out:
         raise CalibrationError(f"no built-in calibration text has {min_tokens} tokens; pass --text FILE")
     return out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Family runners: prepare a document once, then run the drafter at grid points with an optional profile.
-# --------------------------------------------------------------------------------------------------------------
-
-
-class _Recorder:
-    """Collects the scores each drafter layer emits during one forward (attention_probe callback)."""
-
-    def __init__(self, layers: list[torch.nn.Module], rows: torch.Tensor | None = None):
-        self.index = {id(m): i for i, m in enumerate(layers)}
-        self.rows = rows  # causal: the query rows to keep
-        self.scores: dict[int, torch.Tensor] = {}
-
-    def __call__(self, module, scores):
-        i = self.index.get(id(module))
-        if i is None:
-            return
-        s = scores[0]  # [heads, q, keys]
-        if self.rows is not None:
-            s = s[:, self.rows]
-        self.scores[i] = s.float().clone()
-
-
-def _target_pass(target, ids: torch.Tensor, hidden_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(greedy predictions ``[L]`` int64, features ``[1, L, len(hidden_ids) * hidden]`` f32 = hidden_states[i], or
-    None without ``hidden_ids``)."""
-    with torch.no_grad():
-        out = target(input_ids=ids[None], output_hidden_states=bool(hidden_ids), use_cache=False)
-    feats = torch.cat([out.hidden_states[i] for i in hidden_ids], dim=-1) if hidden_ids else None
-    return out.logits[0].argmax(-1), feats
-
-
-class DFlashRunner:
-    def __init__(self, drafter, target):
-        self.d, self.target = drafter, target
-        self.B = drafter.config.block_size
-        self.embed = target.get_input_embeddings().weight
-        self.layers = [layer.self_attn for layer in drafter.layers]
-        # sliding-window layers (layer_types) do not dilute past their window: only the full layers are fitted
-        self.windows = list(drafter.config.windows)
-        self.fit_layers = [i for i, w in enumerate(self.windows) if w is None] or list(range(len(self.windows)))
-
-    def prepare(self, ids: list[int]) -> dict:
-        t = torch.tensor(ids, dtype=torch.long)
-        pred, feats = _target_pass(self.target, t, [i + 1 for i in self.d.config.target_layer_ids])
-        from runtime.models.dflash import rope_cos_sin
-
-        with torch.no_grad():
-            ctx = self.d.project_context(feats)
-            pos = torch.arange(len(ids))[None]
-            cos, sin = rope_cos_sin(pos, self.d.config.head_dim, self.d.config.rope_theta, ctx.dtype)
-            kv = [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.d.layers]
-        return {"ids": t, "pred": pred, "kv": kv}
-
-    def run(self, doc: dict, n_values: list[int], profile: QueryScaleProfile | None):
-        """Per grid point: ({layer: scores [rows*heads*B... ]}, proxy accepted lengths, slot-1 agreement)."""
-        out = []
-        width = len(self.d.config.target_layer_ids) * self.d.config.hidden_size
-        no_new_context = doc["kv"][0][0].new_zeros(1, 0, width)  # every context row is already in the cached K/V
-        for n in n_values:
-            scores, acc, slot1 = defaultdict(list), [], []
-            for nk in row_keys(n):
-                s = nk - self.B  # anchor: s context tokens, N = s + B
-                if s < 1 or nk > len(doc["ids"]):
-                    continue
-                rec = _Recorder(self.layers)
-                block = torch.full((1, self.B), self.d.config.mask_token_id, dtype=torch.long)
-                block[0, 0] = doc["ids"][s]
-                # beta per layer from that layer's own mask (N = s + B on a full layer; a windowed layer's N stops
-                # at its window), as the exported graph and the torch backend compute it
-                scale = {} if profile is None else {"profile": profile,
-                                                    "key_mask": torch.ones(1, s + self.B, dtype=torch.bool)}
-                with torch.no_grad(), attention_probe.record(rec):
-                    emb = self.d.embed_block(block, self.embed)
-                    h, _ = self.d(emb, no_new_context, torch.arange(s, s + self.B)[None],
-                                  [(k[:, :, :s], v[:, :, :s]) for k, v in doc["kv"]], **scale)
-                    drafted = (h[0, 1:] @ self.embed.T).argmax(-1)  # slot j predicts position s + j
-                truth = doc["pred"][s:s + self.B - 1]  # target's greedy token for positions s+1 .. s+B-1
-                ok = (drafted == truth).long()
-                acc.append(1 + int(ok.cumprod(0).sum()))
-                slot1.append(int(ok[0]))
-                for i, sc in rec.scores.items():
-                    scores[i].append(sc.reshape(-1, sc.shape[-1]))
-            out.append((scores, acc, slot1))
-        return out
-
-
-class _CausalRunner:
-    """PARD and EAGLE-3: one causal pass over the document; row p sees N = p + 1 keys. Subclasses say which
-    attentions to probe, what the target pass taps, and how the drafter forward turns rows into drafted ids."""
-
-    shift = 0  # rows the drafter's inputs are shifted by (EAGLE-3 reads token p + 1 at row p)
-    windows: list = []  # every layer full attention
-    fit_layers = None  # every probed layer is fitted
-
-    def __init__(self, drafter, target):
-        self.d, self.target = drafter, target
-        self.embed = target.get_input_embeddings().weight
-        self.layers = self._layers()
-
-    def _layers(self) -> list:
-        raise NotImplementedError
-
-    def _taps(self) -> list[int]:
-        return []
-
-    def _draft(self, doc: dict, rows: list[int], L: int, profile: QueryScaleProfile | None):
-        """(drafted ids, the target's ids they must equal) for ``rows``."""
-        raise NotImplementedError
-
-    def prepare(self, ids: list[int]) -> dict:
-        t = torch.tensor(ids, dtype=torch.long)
-        pred, feats = _target_pass(self.target, t, self._taps())
-        return {"ids": t, "pred": pred, "feats": feats}
-
-    def run(self, doc: dict, n_values: list[int], profile: QueryScaleProfile | None):
-        length = len(doc["ids"]) - self.shift
-        rows_of = {n: [nk - 1 for nk in row_keys(n) if nk - 1 < length - 1] for n in n_values}
-        rows = sorted({r for rs in rows_of.values() for r in rs})
-        if not rows:
-            return [(defaultdict(list), [], []) for _ in n_values]
-        L = rows[-1] + 1
-        rec = _Recorder(self.layers, torch.tensor(rows))
-        with torch.no_grad(), attention_probe.record(rec):
-            drafted, truth = self._draft(doc, rows, L, profile)
-        hit = {r: int(drafted[i] == truth[i]) for i, r in enumerate(rows)}
-        pos = {r: i for i, r in enumerate(rows)}
-        out = []
-        for n in n_values:
-            scores = defaultdict(list)
-            for i, sc in rec.scores.items():  # [heads, rows, keys]
-                for r in rows_of[n]:
-                    scores[i].append(sc[:, pos[r], : r + 1])
-            out.append((scores, [1 + hit[r] for r in rows_of[n]], [hit[r] for r in rows_of[n]]))
-        return out
-
-
-class PardRunner(_CausalRunner):
-    def _layers(self) -> list:
-        return [layer.self_attn for layer in self.d.model.model.layers]
-
-    def _draft(self, doc, rows, L, profile):
-        from runtime.models.hf_query_scale import query_scale
-
-        with query_scale(profile):
-            logits, _ = self.d(doc["ids"][None, :L], torch.arange(L)[None], torch.ones(1, L, dtype=torch.long),
-                               embed_weight=self.embed if self.d.borrow_embeddings else None)
-        return logits[0, rows].argmax(-1), doc["pred"][rows]  # row p predicts token p + 1, as the target's row p
-
-
-class Eagle3Runner(_CausalRunner):
-    shift = 1
-
-    def _layers(self) -> list:
-        return [self.d.midlayer.self_attn]
-
-    def _taps(self) -> list[int]:
-        from export.families.eagle3 import aux_layers
-
-        return aux_layers(self.d, self.target.config.num_hidden_layers)
-
-    def _draft(self, doc, rows, L, profile):
-        from runtime.models.eagle3 import row_beta
-
-        mask = torch.ones(1, L, dtype=torch.long)
-        beta = None if profile is None else row_beta(mask, L, profile)
-        logits, _, _ = self.d(doc["ids"][None, 1:L + 1], self.d.project(doc["feats"][:, :L]),
-                              torch.arange(L)[None], mask, beta=beta,
-                              embed_weight=self.embed if self.d.embed_tokens is None else None)
-        # row p predicts token p + 2, as the target's row p + 1
-        return self.d.draft_to_target[logits[0, rows].argmax(-1)], doc["pred"][[r + 1 for r in rows]]
-
-
-# --------------------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass

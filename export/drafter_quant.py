@@ -303,16 +303,17 @@ def proposal_agreement(float_graph: Path, quant_graph: Path, feeds) -> dict:
         ``{"slot_top1_agreement": [per slot], "rows": batch (all chunks), "chunks": int, "max_abs_diff_logits":
         float, "max_abs_logit": float}``.
     Raises:
-        export.validate.ValidationError: NaN in either graph's logits, or an inf where the float graph's are
-            finite (:func:`export.validate.max_abs_diff`).
+        export.checks.ValidationError: NaN in either graph's logits, or an inf where the float graph's are
+            finite (:func:`export.checks.max_abs_diff`).
     """
-    from export.validate import _session, max_abs_diff
+    from export import checks
+    from export.checks import max_abs_diff
 
     make = (lambda: [feeds]) if isinstance(feeds, dict) else feeds
     ref: list[np.ndarray] = []  # the float graph's logits per chunk: [chunk, slots, vocab] f32
     agree, diff, peak, rows = None, 0.0, 0.0, 0
     for name, path in (("float", float_graph), ("quant", quant_graph)):
-        sess = _session(path)
+        sess = checks.session(path)
         names = {i.name for i in sess.get_inputs()}
         out = sess.get_outputs()[0].name
         for c, feed in enumerate(make()):

@@ -1,4 +1,6 @@
-"""torch -> ONNX for the target (logits + tapped hidden states + KV cache) and the DFlash drafter (+ KV cache).
+"""torch -> ONNX for the target (logits + tapped hidden states + KV cache), and the tracing helpers every family's
+drafter export uses (export/families/<family>/graph.py: DFlash's drafter graph below, PARD's and EAGLE-3's in their
+own docstrings).
 
 Both graphs take and return their KV cache as flat tensors so any ONNX runtime can drive them:
 
@@ -39,13 +41,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.models.dflash import DFlashDrafter
-
 log = logging.getLogger(__name__)
 OPSET = 18
 
 
-def _cache_kwarg(model: nn.Module) -> str:
+def cache_kwarg_name(model: nn.Module) -> str:
     """transformers >= 5.24 calls the cache ``cache``; older 5.x only knows ``past_key_values``."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -59,7 +59,7 @@ class TargetForExport(nn.Module):
         self.model = model
         self.tap_ids = list(tap_ids)
         self.num_layers = model.config.num_hidden_layers
-        self.cache_kwarg = _cache_kwarg(model.model)
+        self.cache_kwarg = cache_kwarg_name(model.model)
 
     def forward(self, input_ids, position_ids, attention_mask, past: list[torch.Tensor]):
         from transformers import DynamicCache
@@ -185,46 +185,7 @@ class StaticKVTargetForExport(nn.Module):
         return logits, taps, cache.kv
 
 
-class DrafterForExport(nn.Module):
-    """Wraps a DFlash drafter: block embedding and LM head use tensors passed in as graph inputs.
-
-    ``static``: return only the new context rows' K/V (``new_key.i`` ``[batch, kv_heads, ctx_len, head_dim]``);
-    the past is then a preallocated buffer whose spare slots ``attention_mask`` hides (kv_io "static", as the
-    target's). Otherwise ``present_key.i`` = past + new (kv_io "concat").
-    """
-
-    def __init__(self, drafter: DFlashDrafter, static: bool = False):
-        super().__init__()
-        self.drafter = drafter
-        self.static = static
-
-    def forward(self, input_ids, target_hidden, position_ids, attention_mask, past: list[torch.Tensor],
-                embed_weight, lm_head_weight, draft_slots):
-        emb = self.drafter.embed_block(input_ids, embed_weight)
-        n = len(self.drafter.layers)
-        past_kv = [(past[2 * i], past[2 * i + 1]) for i in range(n)]
-        h, kv = self.drafter(emb, target_hidden, position_ids, past_kv, key_mask=attention_mask,
-                             new_kv_only=self.static)
-        # the LM head only on the block slots the runtime will verify (draft_slots = 1..k): with a 49k or 8k-row
-        # head it is most of a small drafter's cost, and verifying k < B - 1 tokens is the usual setting
-        head = self.drafter.lm_head.weight if self.drafter.lm_head is not None else lm_head_weight
-        logits = torch.matmul(torch.index_select(h, 1, draft_slots), head.transpose(0, 1))
-        return logits, [t for pair in kv for t in pair]
-
-
-class _OwnHead(nn.Module):
-    """:class:`DrafterForExport` without the ``lm_head_weight`` argument (the drafter's own head is used)."""
-
-    def __init__(self, inner: DrafterForExport):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, input_ids, target_hidden, position_ids, attention_mask, past, embed_weight, draft_slots):
-        return self.inner(input_ids, target_hidden, position_ids, attention_mask, past, embed_weight, None,
-                          draft_slots)
-
-
-def _example_table(rows: int, cols: int) -> torch.Tensor:
+def example_table(rows: int, cols: int) -> torch.Tensor:
     """An example input for a borrowed table (embedding / LM head), ``[rows, cols]`` fp32, never written.
 
     Tracing reads only its shape and dtype, and ``torch.empty``'s pages stay unmapped until touched: a
@@ -238,7 +199,7 @@ def kv_names(num_layers: int, prefix: str) -> list[str]:
     return [f"{prefix}_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
 
 
-def _export(module, args, input_names, output_names, dynamic_shapes, path: Path) -> None:
+def export_module(module, args, input_names, output_names, dynamic_shapes, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -277,182 +238,5 @@ def export_target(model: nn.Module, tap_ids: list[int], path: Path, kv_io: str =
     inputs = ["input_ids", "position_ids", "attention_mask", *kv_names(n_layers, "past")]
     outputs = ["logits", "taps", *kv_names(n_layers, "new" if static else "present")]
     wrapper = (StaticKVTargetForExport if static else TargetForExport)(model, tap_ids).eval()
-    _export(wrapper, (ids, pos, am, past), inputs, outputs, dyn, path)
+    export_module(wrapper, (ids, pos, am, past), inputs, outputs, dyn, path)
     return {"inputs": inputs, "outputs": outputs, "kv_io": kv_io}
-
-
-def export_drafter(drafter: DFlashDrafter, path: Path, kv_io: str = "static") -> dict:
-    """Export a DFlash drafter (frozen: no query scale; export/rewrite.py inserts beta) to ``path``.
-
-    ``kv_io``: "static" (past read from a preallocated buffer, new context K/V out only; :class:`DrafterForExport`)
-    or "concat" (present = past + new). Returns the graph's input/output names and ``kv_io``.
-
-    Raises:
-        ValueError: an unknown ``kv_io``; torch.onnx errors from the exporter.
-    """
-    if kv_io not in ("static", "concat"):
-        raise ValueError(f"kv_io must be static or concat, not {kv_io!r}")
-    static = kv_io == "static"
-    cfg = drafter.config
-    n, f = cfg.num_hidden_layers, len(cfg.target_layer_ids) * cfg.hidden_size
-    b, c, p, blk = 2, 3, 6, cfg.block_size
-    ids = torch.full((b, blk), cfg.mask_token_id)
-    ids[:, 0] = 7
-    th = torch.randn(b, c, f)
-    pos = torch.arange(p, p + c + blk)[None].expand(b, -1).contiguous()
-    am = torch.ones(b, p + c + blk, dtype=torch.int64)
-    am[1, p - 2: p] = 0  # a padded row, so the mask is traced as data (never specialised away)
-    past = [torch.randn(b, cfg.num_key_value_heads, p, cfg.head_dim) for _ in range(2 * n)]
-    emb = _example_table(cfg.vocab_size, cfg.hidden_size)
-    batch, ctx = torch.export.Dim("batch", max=64), torch.export.Dim("ctx_len", max=cfg.max_position_embeddings)
-    past_len = torch.export.Dim("past_len", min=1, max=cfg.max_position_embeddings)
-    # The block size is part of the drafter (it was trained with it): static in the graph.
-    dyn = ({0: batch}, {0: batch, 1: ctx}, {0: batch, 1: ctx + blk}, {0: batch, 1: torch.export.Dim.DYNAMIC},
-           [{0: batch, 2: past_len} for _ in range(2 * n)], {},
-           {0: torch.export.Dim("draft_vocab", max=1 << 20)},  # LM-head rows: the full vocab or a draft vocab
-           {0: torch.export.Dim("draft_slots", max=blk)})  # which block slots get logits (1..k)
-    inputs = ["input_ids", "target_hidden", "position_ids", "attention_mask", *kv_names(n, "past"), "embed_weight",
-              "lm_head_weight", "draft_slots"]
-    outputs = ["logits", *kv_names(n, "new" if static else "present")]
-    head = _example_table(cfg.vocab_size, cfg.hidden_size)  # a distinct tensor: aliased inputs would be merged
-    slots = torch.arange(1, blk)
-    module = DrafterForExport(drafter, static).eval()
-    args = (ids, th, pos, am, past, emb, head, slots)
-    if drafter.lm_head is not None:  # its own LM head is stored in the graph (speculators format): no head input
-        inputs.remove("lm_head_weight")
-        dyn = dyn[:6] + dyn[7:]
-        args = args[:6] + args[7:]
-        module = _OwnHead(module)
-    _export(module, args, inputs, outputs, dyn, path)
-    return {"inputs": inputs, "outputs": outputs, "kv_io": kv_io}
-
-
-class PardForExport(nn.Module):
-    """Wraps a PARD drafter: flat KV in/out, logits of the K rows starting at ``logits_start`` per batch row."""
-
-    def __init__(self, drafter, num_draft_tokens: int):
-        super().__init__()
-        self.drafter = drafter
-        self.k = num_draft_tokens
-
-    def forward(self, input_ids, position_ids, attention_mask, logits_start, past: list[torch.Tensor],
-                embed_weight=None):
-        d = self.drafter
-        cache_kwarg = _cache_kwarg(d.model.model)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=d.config)
-        for i in range(d.num_layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        emb = d.embed(input_ids, embed_weight)
-        out = d.model.model(inputs_embeds=emb, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=True, **{cache_kwarg: cache})
-        h = out.last_hidden_state  # [batch, q, hidden]
-        idx = logits_start[:, None] + torch.arange(self.k, device=h.device)[None]  # [batch, K]
-        rows = torch.gather(h, 1, idx[..., None].expand(-1, -1, h.shape[-1]))
-        logits = torch.matmul(rows, d.lm_head_weight(embed_weight).transpose(0, 1))
-        kv = out["cache"] if "cache" in out else out["past_key_values"]
-        return logits, [t for layer in kv.layers for t in (layer.keys, layer.values)]
-
-
-def export_pard_drafter(drafter, num_draft_tokens: int, path: Path) -> dict:
-    """Export a PARD drafter (frozen: no query scale; export/rewrite.py inserts per-row beta) to ``path``.
-
-    Graph: inputs ``input_ids`` / ``position_ids`` ``[batch, q_len]`` int64 (pending committed tokens, then K-1
-    ``pard_token``; ragged rows right-padded with placeholders), ``attention_mask`` ``[batch, past_len + q_len]``,
-    ``logits_start`` ``[batch]`` int64 (index of each row's last real token), ``past_key.{i}``/``past_value.{i}``
-    ``[batch, kv_heads, past_len, head_dim]``, and ``embed_weight`` ``[vocab, hidden]`` when the checkpoint borrows
-    the target's table; outputs ``logits`` ``[batch, K, vocab]`` f32 (K = ``num_draft_tokens``, static) and
-    ``present_*`` over past_len + q_len.
-    """
-    cfg = drafter.config
-    n = drafter.num_layers
-    kvh = cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    k = num_draft_tokens
-    b, q, p = 2, k + 3, 6
-    ids = torch.randint(0, cfg.vocab_size, (b, q))
-    pos = torch.arange(p, p + q)[None].expand(b, -1).contiguous()
-    am = torch.ones(b, p + q, dtype=torch.int64)
-    am[1, p - 2: p] = 0  # a padded row, so the mask is traced as data
-    start = torch.tensor([3, 2])
-    past = [torch.randn(b, kvh, p, hd) for _ in range(2 * n)]
-    batch, q_len = torch.export.Dim("batch", max=64), torch.export.Dim("q_len", min=k, max=8192)
-    past_len = torch.export.Dim("past_len", min=1, max=cfg.max_position_embeddings)
-    dyn = [{0: batch, 1: q_len}, {0: batch, 1: q_len}, {0: batch, 1: torch.export.Dim.DYNAMIC}, {0: batch},
-           [{0: batch, 2: past_len} for _ in range(2 * n)]]
-    args = [ids, pos, am, start, past]
-    inputs = ["input_ids", "position_ids", "attention_mask", "logits_start", *kv_names(n, "past")]
-    if drafter.borrow_embeddings:
-        args.append(_example_table(cfg.vocab_size, cfg.hidden_size))
-        dyn.append({})
-        inputs.append("embed_weight")
-    outputs = ["logits", *kv_names(n, "present")]
-    _export(PardForExport(drafter, k).eval(), tuple(args), inputs, outputs, tuple(dyn), path)
-    return {"inputs": inputs, "outputs": outputs}
-
-
-class Eagle3StepForExport(nn.Module):
-    """Wraps an EAGLE-3 drafter: one forward over q rows (context pass or chain step), head on one row per batch."""
-
-    def __init__(self, drafter):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, input_ids, hidden, position_ids, attention_mask, logits_start, past_key, past_value,
-                embed_weight=None):
-        d = self.drafter
-        out, (k, v) = d.body(input_ids, hidden, position_ids, attention_mask, (past_key, past_value), embed_weight)
-        row = torch.gather(out, 1, logits_start[:, None, None].expand(-1, 1, out.shape[-1]))  # [batch, 1, hidden]
-        logits = d.head(row)  # [batch, 1, draft_vocab]
-        token = torch.argmax(logits, dim=-1) + d.d2t[torch.argmax(logits, dim=-1)]  # target ids [batch, 1]
-        return logits, token, row, k, v
-
-
-class Eagle3FcForExport(nn.Module):
-    def __init__(self, drafter):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, target_features):
-        return self.drafter.project(target_features)
-
-
-def export_eagle3_drafter(drafter, path: Path, fc_path: Path) -> tuple[dict, dict]:
-    """Export an EAGLE-3 drafter (frozen: export/rewrite.py inserts per-row beta) as two graphs.
-
-    Step graph ``path``: inputs ``input_ids`` ``[batch, q_len]`` int64 (token p + 1 at drafter position p),
-    ``hidden`` ``[batch, q_len, hidden]`` f32 (``fc`` of target features, or the drafter's own previous output),
-    ``position_ids`` ``[batch, q_len]``, ``attention_mask`` ``[batch, past_len + q_len]`` (1 = visible; causal order is
-    added in-graph), ``logits_start`` ``[batch]`` int64 (the row whose draft is read), ``past_key.0``/``past_value.0``
-    ``[batch, kv_heads, past_len, head_dim]``, and ``embed_weight`` ``[vocab, hidden]`` when the checkpoint borrows
-    the target's; outputs ``logits`` ``[batch, 1, draft_vocab]``, ``token`` ``[batch, 1]`` int64 (target id of the
-    draft argmax, via d2t), ``hidden_out`` ``[batch, 1, hidden]`` (pre-norm, recycled by the next chain step),
-    ``present_key.0``/``present_value.0``. fc graph ``fc_path``: ``target_features`` ``[batch, ctx, 3 * target_hidden]``
-    -> ``hidden`` ``[batch, ctx, hidden]``.
-    """
-    cfg = drafter.config
-    b, q, p = 2, 5, 6
-    ids = torch.randint(0, cfg.vocab_size, (b, q))
-    hidden = torch.randn(b, q, cfg.hidden_size)
-    pos = torch.arange(p, p + q)[None].expand(b, -1).contiguous()
-    am = torch.ones(b, p + q, dtype=torch.int64)
-    am[1, p - 2: p] = 0
-    start = torch.tensor([4, 2])
-    pk, pv = (torch.randn(b, cfg.num_key_value_heads, p, cfg.head_dim) for _ in range(2))
-    batch, q_len = torch.export.Dim("batch", max=64), torch.export.Dim("q_len", max=8192)
-    past_len = torch.export.Dim("past_len", min=1, max=cfg.max_position_embeddings)
-    args = [ids, hidden, pos, am, start, pk, pv]
-    dyn = [{0: batch, 1: q_len}, {0: batch, 1: q_len}, {0: batch, 1: q_len}, {0: batch, 1: torch.export.Dim.DYNAMIC},
-           {0: batch}, {0: batch, 2: past_len}, {0: batch, 2: past_len}]
-    inputs = ["input_ids", "hidden", "position_ids", "attention_mask", "logits_start", "past_key.0", "past_value.0"]
-    if drafter.embed_tokens is None:
-        args.append(_example_table(cfg.vocab_size, cfg.hidden_size))
-        dyn.append({})
-        inputs.append("embed_weight")
-    outputs = ["logits", "token", "hidden_out", "present_key.0", "present_value.0"]
-    _export(Eagle3StepForExport(drafter).eval(), tuple(args), inputs, outputs, tuple(dyn), path)
-    feats = torch.randn(b, q, 3 * cfg.target_hidden_size)
-    _export(Eagle3FcForExport(drafter).eval(), (feats,), ["target_features"], ["hidden"],
-            ({0: batch, 1: torch.export.Dim("ctx_len", max=8192)},), fc_path)
-    return ({"inputs": inputs, "outputs": outputs}, {"inputs": ["target_features"], "outputs": ["hidden"]})

@@ -472,7 +472,8 @@ def _shared_tensor(target_graph: Path, spec: dict) -> np.ndarray:
 
 
 class OrtPardDrafter(_Graph):
-    """PARD drafter graph (export/graphs.py ``export_pard_drafter``) + per-sequence caches of committed tokens.
+    """PARD drafter graph (export/families/pard/graph.py ``export_pard_drafter``) + per-sequence caches of committed
+    tokens.
 
     Each call feeds, per row, the committed tokens the cache does not hold yet, ending with the bonus token, then
     K-1 ``pard_token`` slots; the K draft tokens are the logits of the last K of those rows (the graph gathers them
@@ -537,7 +538,8 @@ class OrtPardDrafter(_Graph):
 
 
 class OrtEagle3Drafter(_Graph):
-    """EAGLE-3 drafter: an ``fc`` graph and a step graph (export/graphs.py ``export_eagle3_drafter``), chain drafting.
+    """EAGLE-3 drafter: an ``fc`` graph and a step graph (export/families/eagle3/graph.py ``export_eagle3_drafter``),
+    chain drafting.
 
     Drafter position p holds the pair (token p + 1, target feature h_p). One round at bonus position s:
       1. context pass: the pairs of the positions the cache lacks (tokens up to the bonus x_s, ``fc`` of their

@@ -7,6 +7,7 @@ import torch
 from click.testing import CliRunner
 
 from export import calibrate as cal
+from export.families.dflash.calibrate import DFlashRunner
 from export.pipeline import load_drafter
 from plugins.dilution import mean_mass_at
 from plugins.rule import QueryScaleProfile
@@ -82,7 +83,7 @@ def test_calibrate_every_family(family, fixture, request, tiny_target):
 def test_probe_scores_match_the_attention(tiny_dflash_dir, tiny_target):
     """The scores handed to the probe are the ones the softmax reads: beta-scaled mass == analytic mass."""
     drafter = _drafter("dflash", tiny_dflash_dir)
-    runner = cal.DFlashRunner(drafter, tiny_target)
+    runner = DFlashRunner(drafter, tiny_target)
     doc = runner.prepare(list(range(5, 600)))
     frozen = runner.run(doc, [512], None)[0][0][0]
     beta = 1.37

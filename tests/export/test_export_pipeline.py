@@ -174,7 +174,7 @@ def test_interrupted_export_leaves_nothing(tmp_path, tiny_target_dir, tiny_dflas
     """An interrupt mid-export leaves neither a new half-written folder nor a damaged existing one."""
     import shutil
 
-    import export.validate as validate
+    import export.families.dflash.validate as validate
 
     def boom(*a, **k):
         raise KeyboardInterrupt

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from export.fuse import DOMAIN, OP_TYPE, FusionError, fuse_attention, fuse_file, node_attributes, profile_of
-from export.graphs import export_drafter
+from export.families.dflash.graph import export_drafter
 from export.rewrite import rewrite_file
 from export.validate import ValidationError, validate_fused_drafter
 from plugins.rule import QueryScaleProfile

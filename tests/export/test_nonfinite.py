@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-import export.validate as validate
+import export.checks as checks
 from export.cli import main as export_cli
 from export.errors import ExportError
 from export.pipeline import ExportConfig, run_export
@@ -95,7 +95,7 @@ class _NanSession:
 def _inject(monkeypatch, graph: str, which: int = 0):
     import runtime.ort_engines as ort_engines
 
-    real, real_shared = validate._session, ort_engines.run_shared
+    real, real_shared = checks.session, ort_engines.run_shared
 
     def session(path):
         s = real(path)
@@ -106,7 +106,7 @@ def _inject(monkeypatch, graph: str, which: int = 0):
         out[which].reshape(-1)[5] = np.nan
         return tuple(out)
 
-    monkeypatch.setattr(validate, "_session", session)
+    monkeypatch.setattr(checks, "session", session)
     monkeypatch.setattr(ort_engines, "run_shared", run_shared)
 
 
@@ -140,10 +140,10 @@ def test_the_quantized_drafter_check_fails_on_a_nan(monkeypatch, tmp_path, tiny_
     import export.drafter_quant as dq
     from pathlib import Path
 
-    real, real_agreement = validate._session, dq.proposal_agreement
+    real, real_agreement = checks.session, dq.proposal_agreement
 
     def agreement(float_graph, quant_graph, feeds):  # NaN in the int8 graph's logits only
-        monkeypatch.setattr(validate, "_session", lambda p: _NanSession(real(p), 0)
+        monkeypatch.setattr(checks, "session", lambda p: _NanSession(real(p), 0)
                             if Path(p) == Path(quant_graph) else real(p))
         return real_agreement(float_graph, quant_graph, feeds)
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from export.errors import ExportError
-from export.families import REPO_ROOT, DrafterFamily
+from export.families.base import REPO_ROOT, DrafterFamily
 from export.rewrite import NumKeysFrom
 from plugins.rule import Family
 
@@ -90,12 +90,12 @@ class DFlashFamily(DrafterFamily):
         return drafter.lm_head is None
 
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
-        from export.graphs import export_drafter
+        from export.families.dflash.graph import export_drafter
 
         return export_drafter(drafter, frozen, kv_io=drafter_kv_io), {}
 
     def validate(self, drafter, k, path, io, profile, embed, lm_head, draft_ids):
-        from export.validate import validate_drafter
+        from export.families.dflash.validate import validate_drafter
 
         # with a draft vocabulary the graph is checked on the LM-head rows the runtime will feed (or on the
         # drafter's own head, stored in the graph)
@@ -157,6 +157,6 @@ class DFlashFamily(DrafterFamily):
                 "mask_embedding": c.uses_mask_embedding, "num_keys": "s + block_size (all queries of a block)"}
 
     def calibration_runner(self, drafter, target):
-        from export.calibrate import DFlashRunner
+        from export.families.dflash.calibrate import DFlashRunner
 
         return DFlashRunner(drafter, target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from export.errors import ExportError
-from export.families import REPO_ROOT, DrafterFamily
+from export.families.base import REPO_ROOT, DrafterFamily, checkpoint_field
 from export.rewrite import NumKeysFrom
 from plugins.rule import Family
 
@@ -52,19 +52,17 @@ class Eagle3Family(DrafterFamily):
     def draft_tokens(self, drafter, requested: int | None) -> int:
         """``--num-draft-tokens``, else the checkpoint's ``sharpdraft_num_draft_tokens``, else a speculators config's
         proposal length (``speculative_tokens``), else 5."""
-        from export.families import checkpoint_field
-
         return int(requested or checkpoint_field(drafter, "sharpdraft_num_draft_tokens")
                    or drafter.config.num_speculative_tokens or self.default_draft_tokens)
 
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
-        from export.graphs import export_eagle3_drafter
+        from export.families.eagle3.graph import export_eagle3_drafter
 
         io, fc_io = export_eagle3_drafter(drafter, frozen, out_root / "drafter_fc" / "model.onnx")
         return io, {"drafter_fc": fc_io}
 
     def validate(self, drafter, k, path, io, profile, embed, lm_head, draft_ids):
-        from export.validate import validate_eagle3_drafter
+        from export.families.eagle3.validate import validate_eagle3_drafter
 
         return validate_eagle3_drafter(drafter, path, io, profile, embed if drafter.embed_tokens is None else None)
 
@@ -75,6 +73,6 @@ class Eagle3Family(DrafterFamily):
                 "num_keys": "per query row: position + 1 (causal chain drafting)"}
 
     def calibration_runner(self, drafter, target):
-        from export.calibrate import Eagle3Runner
+        from export.families.eagle3.calibrate import Eagle3Runner
 
-        return Eagle3Runner(drafter, target)
+        return Eagle3Runner(drafter, target, aux_layers(drafter, target.config.num_hidden_layers))

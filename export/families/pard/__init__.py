@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from export.errors import ExportError
-from export.families import REPO_ROOT, DrafterFamily
+from export.families.base import REPO_ROOT, DrafterFamily
 from export.rewrite import NumKeysFrom
 from plugins.rule import Family
 
@@ -36,12 +36,12 @@ class PardFamily(DrafterFamily):
         return []  # PARD reads token ids only
 
     def export_graphs(self, drafter, k, frozen, out_root, drafter_kv_io):
-        from export.graphs import export_pard_drafter
+        from export.families.pard.graph import export_pard_drafter
 
         return export_pard_drafter(drafter, k, frozen), {}
 
     def validate(self, drafter, k, path, io, profile, embed, lm_head, draft_ids):
-        from export.validate import validate_pard_drafter
+        from export.families.pard.validate import validate_pard_drafter
 
         return validate_pard_drafter(drafter, k, path, io, profile, embed if drafter.borrow_embeddings else None)
 
@@ -51,7 +51,7 @@ class PardFamily(DrafterFamily):
                 "num_keys": "per query row: the keys its causal mask lets it see (position + 1)"}
 
     def calibration_runner(self, drafter, target):
-        from export.calibrate import PardRunner
+        from export.families.pard.calibrate import PardRunner
 
         return PardRunner(drafter, target)
 
