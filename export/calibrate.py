@@ -260,15 +260,16 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
-def _engine_sources(engine: Path) -> tuple[str, Path, str | None, dict]:
-    from runtime.manifest import EngineDirError
+def _engine_sources(engine: Path):
+    """(family, drafter checkpoint, target source, the typed manifest) of an engines/ folder; its graphs are not
+    read. Raises EngineDirError."""
+    from runtime.manifest import EngineDirError, load_manifest
 
-    manifest_path = engine / "manifest.json"
-    if not manifest_path.is_file():
+    if not (engine / "manifest.json").is_file():
         raise EngineDirError(f"{engine} has no manifest.json; run sharpdraft-export first or pass --checkpoint")
-    manifest = json.loads(manifest_path.read_text())
-    d = manifest["drafter"]
-    return d["family"], Path(d["checkpoint"]), manifest["target"]["source"], manifest
+    manifest = load_manifest(engine, verify_checksums=False, require_graphs=False)
+    d = manifest.drafter
+    return d.family.value, Path(d.checkpoint), manifest.target.source, manifest
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -305,9 +306,9 @@ def main(engine, family, checkpoint, target, texts, max_keys, grid, train_keys, 
     if engine is not None:
         family, checkpoint, target_src, manifest = _engine_sources(engine)
         target = target or target_src
-        precision = manifest["target"]["precision"]
+        precision = manifest.target.precision
         if get_family(family).draft_tokens_option:  # keep the folder's K
-            num_draft_tokens = manifest["drafter"]["num_draft_tokens"]
+            num_draft_tokens = manifest.drafter.num_draft_tokens
     if family is None or checkpoint is None:
         raise click.UsageError("pass --engine DIR, or --drafter FAMILY --checkpoint DIR")
     model, tok = load_target(None if target in (None, "SmolLM2-135M-Instruct") else target)

@@ -25,7 +25,8 @@ from export.errors import ExportError
 from export.families import DrafterFamily, checkpoint_field, get_family
 from plugins.rule import Family, QueryScaleProfile
 from runtime.draft_vocab import DRAFT_VOCAB_FILE
-from runtime.manifest import MANIFEST, SCHEMA_VERSION, Manifest, sha256_file
+from runtime.manifest import (MANIFEST, SCHEMA_VERSION, DrafterEntry, GraphEntry, Manifest, QueryScaleEntry,
+                              TargetEntry, TokenizerEntry, sha256_file)
 from runtime.models.dflash import CheckpointError, check_finite
 from runtime.modes import KvIo
 
@@ -338,13 +339,11 @@ def run_export(cfg: ExportConfig) -> dict:
         if fused is not None:
             graphs["drafter_fused"] = fused
         tok.save_pretrained(tmp / "tokenizer")
-        entry["verify_draft_tokens"] = int(verify or k)
-        if draft_ids is not None:
-            entry["draft_vocab"] = {"file": f"drafter/{DRAFT_VOCAB_FILE}", "size": int(draft_ids.size)}
-        manifest = _manifest(cfg, entry, target_config, generation_config, tok, profile, profile_source, counts,
-                             shared, validation, graphs, num_keys)
+        vocab = None if draft_ids is None else {"file": f"drafter/{DRAFT_VOCAB_FILE}", "size": int(draft_ids.size)}
         try:  # the writer meets the schema the runtime reads (runtime/manifest.py)
-            manifest = Manifest.from_dict(manifest).to_dict()
+            manifest = _manifest(cfg, entry, int(verify or k), vocab, target_config, generation_config, tok, profile,
+                                 profile_source, counts, shared, validation, graphs, num_keys).to_dict()
+            Manifest.from_dict(manifest)
         except ValueError as e:
             raise ExportError(f"internal error: the manifest this export wrote does not meet its schema ({e}); "
                               "please report it") from e
@@ -650,26 +649,28 @@ def _replace_dir(new: Path, out: Path) -> dict:
     return {"replaced": True, "exchange": exchanged, "extra_files": extra, "kept_at": str(kept) if kept else None}
 
 
-def _manifest(cfg, drafter_entry, t, generation_config, tok, profile, profile_source, counts, shared, validation,
-              graphs, num_keys: str) -> dict:
+def _manifest(cfg, drafter_entry: dict, verify_draft_tokens: int, draft_vocab: dict | None, t, generation_config,
+              tok, profile, profile_source, counts, shared, validation, graphs, num_keys: str) -> Manifest:
+    """The typed manifest of this export (runtime/manifest.py). ``drafter_entry``: the family's ``manifest_entry``
+    (its common fields, then the family's own facts, kept in order as ``details``)."""
     gen_eos = getattr(generation_config, "eos_token_id", None)
     eos_ids = sorted(i for i in {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
                      if i is not None)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "drafter": drafter_entry,
-        "query_scale": {**profile.to_dict(), "source": profile_source, "rewrite": counts,
-                        "num_keys": num_keys},
-        "target": {"source": str(cfg.target or "smollm2-135m-instruct"), "architecture": t.architectures[0],
-                   "num_layers": t.num_hidden_layers, "hidden_size": t.hidden_size,
-                   "num_key_value_heads": t.num_key_value_heads,
-                   "head_dim": getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-                   "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings,
-                   "precision": cfg.target_precision},
-        "tokenizer": {"dir": "tokenizer", "eos_token_ids": eos_ids, "vocab_size": len(tok)},
-        "shared_weights": shared,
-        "graphs": graphs,
-        "validation": validation,
-    }
+    own = dict(drafter_entry)
+    drafter = DrafterEntry(family=Family.parse(own.pop("family")), checkpoint=own.pop("checkpoint"),
+                           num_draft_tokens=own.pop("num_draft_tokens"), verify_draft_tokens=verify_draft_tokens,
+                           config=own.pop("config"), num_keys=own.pop("num_keys"), draft_vocab=draft_vocab,
+                           details=own)
+    target = TargetEntry(source=str(cfg.target or "smollm2-135m-instruct"), architecture=t.architectures[0],
+                         num_layers=t.num_hidden_layers, hidden_size=t.hidden_size,
+                         num_key_value_heads=t.num_key_value_heads,
+                         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+                         vocab_size=t.vocab_size, max_position_embeddings=t.max_position_embeddings,
+                         precision=cfg.target_precision)
+    return Manifest(schema_version=SCHEMA_VERSION,
+                    created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                    torch=torch.__version__, drafter=drafter,
+                    query_scale=QueryScaleEntry(profile, profile_source, num_keys, counts), target=target,
+                    tokenizer=TokenizerEntry("tokenizer", eos_ids, len(tok)), shared_weights=shared,
+                    graphs={name: GraphEntry.from_dict(g, f"graphs.{name}") for name, g in graphs.items()},
+                    validation=validation)

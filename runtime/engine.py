@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from runtime.backends import DrafterBackend, TargetBackend, check_backend
+from runtime.manifest import Manifest
 from runtime.metrics import SpecStats
 from runtime.modes import Backend, DrafterContext, Verification
 from runtime.draft_length import (AdaptiveDraftTokens, DraftConfidence, DraftLengthPolicy, DraftTokensByBatch,
@@ -141,7 +142,7 @@ class SpecEngine:
     """
 
     def __init__(self, target, drafter=None, *, eos_token_ids=(), tokenizer=None, verification: str | None = None,
-                 check_invariants: bool = False, manifest: dict | None = None, engine_dir: Path | None = None,
+                 check_invariants: bool = False, manifest: Manifest | None = None, engine_dir: Path | None = None,
                  proposable_vocab: int | None = None, default_draft_tokens: int | None = None,
                  draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False,
                  prompt_lookup: PromptLookup | None = None, draft_confidence: DraftConfidence | None = None,
@@ -243,18 +244,18 @@ class SpecEngine:
             from runtime.ort_engines import OrtTarget, ort_drafter_class
 
             target = OrtTarget(engine_dir, manifest, device, threads)
-            drafter = ort_drafter_class(manifest["drafter"]["family"])(engine_dir, manifest, device, threads)
-        options.setdefault("default_draft_tokens", manifest["drafter"]["verify_draft_tokens"])
-        return cls(target, drafter, eos_token_ids=manifest["tokenizer"]["eos_token_ids"],
+            drafter = ort_drafter_class(manifest.drafter.family)(engine_dir, manifest, device, threads)
+        options.setdefault("default_draft_tokens", manifest.drafter.verify_draft_tokens)
+        return cls(target, drafter, eos_token_ids=manifest.tokenizer.eos_token_ids,
                    check_invariants=check_invariants, manifest=manifest, engine_dir=engine_dir,
-                   proposable_vocab=manifest["tokenizer"]["vocab_size"], **options)
+                   proposable_vocab=manifest.tokenizer.vocab_size, **options)
 
     @property
     def tokenizer(self):
         if self._tokenizer is None and self.engine_dir is not None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.engine_dir / self.manifest["tokenizer"]["dir"])
+            self._tokenizer = AutoTokenizer.from_pretrained(self.engine_dir / self.manifest.tokenizer.dir)
         return self._tokenizer
 
     @property

@@ -101,23 +101,23 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     speedup = s.tokens_per_s / b.tokens_per_s if b.tokens_per_s else 0.0
     click.echo(f"--- prompt ({len(ids)} tokens) ---\n{prompt}\n--- completion ({len(spec.token_ids)} tokens, "
                f"finish_reason={spec.finish_reason}) ---\n{text}\n---")
-    qs = engine.manifest["query_scale"]
     m = engine.manifest
-    drafter_precision = m["graphs"]["drafter"].get("precision") or "fp32"
-    verified = (f"up to {m['drafter']['num_draft_tokens']} draft tokens verified per round, cut where the "
+    qs = m.query_scale
+    drafter_precision = m.graphs["drafter"].precision or "fp32"
+    verified = (f"up to {m.drafter.num_draft_tokens} draft tokens verified per round, cut where the "
                 f"drafter's cumulative confidence falls below {draft_confidence.threshold}"
                 if draft_confidence is not None and engine.drafter is not None else
-                f"{engine.default_draft_tokens} of {m['drafter']['num_draft_tokens']} draft tokens verified per round")
-    click.echo(f"backend: {backend}; drafter: {m['drafter']['family']} ({drafter_precision} graph), "
-               f"{verified}, query scale {'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, from the "
-               f"{qs['source']})")
+                f"{engine.default_draft_tokens} of {m.drafter.num_draft_tokens} draft tokens verified per round")
+    click.echo(f"backend: {backend}; drafter: {m.drafter.family.value} ({drafter_precision} graph), "
+               f"{verified}, query scale {'on' if qs.profile.enabled else 'off'} (ref_keys {qs.profile.ref_keys}, "
+               f"from the {qs.source})")
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "
                f"draft position: {[round(a, 2) for a in s.acceptance_per_position]}")
     if engine.prompt_lookup is not None:
         click.echo(f"prompt lookup ({prompt_lookup.spec}): {s.lookup_rounds} of the rounds verified a copy, "
                    f"{s.lookup_accepted} of their draft tokens accepted")
     click.echo(f"speculative: {s.tokens_per_s:.1f} tokens/s (draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s)")
-    precision = engine.manifest["target"]["precision"]
+    precision = m.target.precision
     click.echo(f"target-only: {b.tokens_per_s:.1f} tokens/s (the same {precision} target graph, no drafter)")
     if plain is not None:
         click.echo(f"target-only with 1-token steps (as ONNX Runtime GenAI decodes; rounds differently, "

@@ -295,12 +295,12 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def load_manifest(engine_dir: str | Path, verify_checksums: bool = True, require_graphs: bool = True) -> dict[str, Any]:
+def load_manifest(engine_dir: str | Path, verify_checksums: bool = True, require_graphs: bool = True) -> Manifest:
     """Read and check ``engine_dir/manifest.json`` against the schema (:class:`Manifest`) and its files.
 
-    Returns the manifest as a dict (``Manifest.to_dict()`` of the checked manifest: every field the schema requires
-    is present and typed); ``Manifest.from_dict`` of it gives typed access. ``require_graphs`` False (the torch
-    backend, which rebuilds the pair from its sources) skips the graph requirements and file checks.
+    Returns the typed :class:`Manifest` (every field the schema requires is present and typed; ``.to_dict()`` gives
+    the JSON form back). ``require_graphs`` False (the torch backend, which rebuilds the pair from its sources)
+    skips the graph requirements and file checks.
 
     Raises:
         EngineDirError: folder or manifest missing, unreadable JSON, another schema version, a section or field
@@ -344,7 +344,7 @@ def load_manifest(engine_dir: str | Path, verify_checksums: bool = True, require
         # else transformers falls back to the hub and fails with a misleading message (or loads another tokenizer)
         raise EngineDirError(f"{root}: the tokenizer folder {manifest.tokenizer.dir}/ is missing or holds no "
                              f"tokenizer.json; {redo}")
-    return manifest.to_dict()
+    return manifest
 
 
 def read_initializer(onnx_path: Path, name: str) -> np.ndarray:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -30,6 +29,7 @@ from runtime.kv_cache import (KVCache, StaticKVCache, gather_static, pad_caches,
 
 from plugins.rule import Family
 from runtime.draft_vocab import expand_logits, load_draft_vocab
+from runtime.manifest import GraphEntry, Manifest
 from runtime.modes import DrafterContext, KvIo, Verification
 from runtime.ragged import attention_mask, dflash_block, positions, rows_after_past
 from runtime.shared_tables import load_shared_table
@@ -88,22 +88,22 @@ class _Graph:
 
     role = "drafter"  # session_options' per-role settings
 
-    def __init__(self, engine_dir: Path, graph: dict[str, Any], dims: tuple[int, int, int], device: str,
+    def __init__(self, engine_dir: Path, graph: GraphEntry, dims: tuple[int, int, int], device: str,
                  threads: int | None):
         import onnxruntime as ort
 
-        if graph.get("precision") == "bf16":  # export/bf16.py: written for CUDA / TensorRT consumers
+        if graph.precision == "bf16":  # export/bf16.py: written for CUDA / TensorRT consumers
             from runtime.manifest import EngineDirError
 
             raise EngineDirError(f"{engine_dir}: its {self.role} graph is bf16, which the sharpdraft runtime cannot "
                                  "run (ONNX Runtime's CPU provider has no bf16 kernels and its KV buffers are numpy "
                                  "arrays, which have no bf16 type); the folder is for TensorRT / CUDA consumers: "
                                  "export --dtype fp16 (the same graphs in float16) or fp32 to run it here")
-        self.session = ort.InferenceSession(str(engine_dir / graph["file"]), session_options(threads, self.role),
+        self.session = ort.InferenceSession(str(engine_dir / graph.file), session_options(threads, self.role),
                                             providers=providers(device))
         self.num_layers, self.kv_heads, self.head_dim = dims
-        self.kv_names = [n for n in graph["inputs"] if n.startswith("past_")]
-        self.out_names = graph["outputs"]
+        self.kv_names = [n for n in graph.inputs if n.startswith("past_")]
+        self.out_names = graph.outputs
         self.ort_s = 0.0  # seconds spent inside ONNX Runtime calls (benchmarks subtract it from step time)
 
     def _run(self, names: list[str], feed: dict, session=None) -> list[np.ndarray]:
@@ -117,13 +117,13 @@ class _Graph:
     def new_cache(self) -> KVCache:
         return KVCache(self.num_layers, self.kv_heads, self.head_dim)
 
-    def _drafter_setup(self, engine_dir: Path, manifest: dict[str, Any], graph: dict[str, Any]) -> None:
+    def _drafter_setup(self, engine_dir: Path, manifest: Manifest, graph: GraphEntry) -> None:
         """Query-scale facts of a drafter graph and the target tensors it borrows (``manifest.shared_weights``)."""
-        self.query_scaled = bool(manifest["query_scale"]["enabled"])
-        self.query_scale_switch = "query_scale_enabled" in graph["inputs"]
-        target_graph = engine_dir / manifest["graphs"]["target"]["file"]
-        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest["shared_weights"].items()
-                       if name in graph["inputs"]}
+        self.query_scaled = bool(manifest.query_scale.profile.enabled)
+        self.query_scale_switch = "query_scale_enabled" in graph.inputs
+        target_graph = engine_dir / manifest.graphs["target"].file
+        self.shared = {name: _shared_tensor(target_graph, spec) for name, spec in manifest.shared_weights.items()
+                       if name in graph.inputs}
 
     def _run_drafter(self, feed: dict, flags: list[bool], past: list, caches: list[KVCache], l_max: int,
                      keep: list[int]) -> list[np.ndarray]:
@@ -154,26 +154,25 @@ class OrtTarget(_Graph):
 
     role = "target"
 
-    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
-        t = manifest["target"]
-        super().__init__(engine_dir, manifest["graphs"]["target"],
-                         (t["num_layers"], t["num_key_value_heads"], t["head_dim"]), device, threads)
-        self.max_positions = t["max_position_embeddings"]
-        self.vocab_size = t["vocab_size"]
-        graph = manifest["graphs"]["target"]
-        self.kv_io = KvIo.parse(graph["kv_io"])
+    def __init__(self, engine_dir: Path, manifest: Manifest, device: str = "auto", threads: int | None = None):
+        t = manifest.target
+        graph = manifest.graphs["target"]
+        super().__init__(engine_dir, graph, (t.num_layers, t.num_key_value_heads, t.head_dim), device, threads)
+        self.max_positions = t.max_position_embeddings
+        self.vocab_size = t.vocab_size
+        self.kv_io = KvIo.parse(graph.kv_io)
         self.static = self.kv_io == KvIo.STATIC
         self.shared_kv = self.kv_io == KvIo.SHARED  # builder graph: past and present are one buffer (GQA)
-        self.precision = t["precision"]
+        self.precision = t.precision
         if self.shared_kv:
-            self.present_names = [n for n in graph["outputs"] if n.startswith("present")]
-            self.taps_output = graph.get("taps_output")
+            self.present_names = [n for n in graph.outputs if n.startswith("present")]
+            self.taps_output = graph.taps_output
             self.kv_dtype = _ORT_DTYPES[next(i.type for i in self.session.get_inputs() if i.name == self.kv_names[0])]
         # int8-activation graphs (MatMulNBits accuracy_level 4) give a 1-token step other rounding than a block of
         # >= 2, so such graphs record min_q_len 2: every call then takes the block path, and speculative greedy
         # output equals target-only greedy output bit for bit (docs/quantized-target.md). $SHARPDRAFT_TARGET_MIN_Q
         # overrides it for benchmarks of the plain 1-token step.
-        self.min_q = max(1, int(os.environ.get("SHARPDRAFT_TARGET_MIN_Q", 0)) or int(graph.get("min_q_len", 1)))
+        self.min_q = max(1, int(os.environ.get("SHARPDRAFT_TARGET_MIN_Q", 0)) or int(graph.min_q_len or 1))
         self.prefill_chunk = int(os.environ.get("SHARPDRAFT_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK))
 
     def new_cache(self) -> KVCache | StaticKVCache:
@@ -358,26 +357,26 @@ class OrtDFlashDrafter(_Graph):
     verification = Verification.REJECTION  # runtime/sampling.py explains the choice
     context = DrafterContext.TARGET_FEATURES
 
-    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
-        d = manifest["drafter"]["config"]
-        graph = manifest["graphs"]["drafter"]
+    def __init__(self, engine_dir: Path, manifest: Manifest, device: str = "auto", threads: int | None = None):
+        d = manifest.drafter.config
+        graph = manifest.graphs["drafter"]
         super().__init__(engine_dir, graph, (d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]),
                          device, threads)
         self.block_size = d["block_size"]
         self.num_draft_tokens = self.block_size - 1
         self.mask_token_id = d["dflash_config"]["mask_token_id"]
         self.max_positions = d["max_position_embeddings"]
-        self.batched = "attention_mask" in graph["inputs"]
-        self.slot_input = "draft_slots" in graph["inputs"]  # the LM head scores only the slots asked for
-        self.static = KvIo.parse(graph["kv_io"]) == KvIo.STATIC
+        self.batched = "attention_mask" in graph.inputs
+        self.slot_input = "draft_slots" in graph.inputs  # the LM head scores only the slots asked for
+        self.static = KvIo.parse(graph.kv_io) == KvIo.STATIC
         self._drafter_setup(engine_dir, manifest, graph)
-        self.vocab_size = d.get("vocab_size", manifest["target"]["vocab_size"])
+        self.vocab_size = d.get("vocab_size", manifest.target.vocab_size)
         self._full_head = self.shared.get("lm_head_weight")
         # the graph may carry its LM head: an int8 graph the target's quantized rows (export/drafter_quant.py), a
         # speculators-format drafter its own head; in the draft vocabulary's order when the folder has one
-        self.head_in_graph = "lm_head_weight" not in graph["inputs"]
+        self.head_in_graph = "lm_head_weight" not in graph.inputs
         self.draft_ids = self._draft_head = None
-        vocab_entry = manifest["drafter"].get("draft_vocab")
+        vocab_entry = manifest.drafter.draft_vocab
         if vocab_entry and (self._full_head is not None or self.head_in_graph):
             self.draft_ids = load_draft_vocab(engine_dir / vocab_entry["file"], self.vocab_size)
             if self._full_head is not None:
@@ -486,15 +485,15 @@ class OrtPardDrafter(_Graph):
     verification = Verification.REJECTION
     context = DrafterContext.TOKENS  # the engine passes committed token ids, not target features
 
-    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
-        d = manifest["drafter"]
-        cfg = d["config"]
-        graph = manifest["graphs"]["drafter"]
+    def __init__(self, engine_dir: Path, manifest: Manifest, device: str = "auto", threads: int | None = None):
+        d = manifest.drafter
+        cfg = d.config
+        graph = manifest.graphs["drafter"]
         hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         super().__init__(engine_dir, graph, (cfg["num_hidden_layers"], cfg["num_key_value_heads"], hd), device,
                          threads)
-        self.num_draft_tokens = int(d["num_draft_tokens"])
-        self.pard_token = int(d["pard_token"])
+        self.num_draft_tokens = int(d.num_draft_tokens)
+        self.pard_token = int(d.details["pard_token"])
         self.max_positions = int(cfg["max_position_embeddings"])
         self.vocab_size = int(cfg["vocab_size"])
         self._drafter_setup(engine_dir, manifest, graph)
@@ -555,20 +554,20 @@ class OrtEagle3Drafter(_Graph):
     verification = Verification.REJECTION
     context = DrafterContext.FEATURES_AND_TOKENS
 
-    def __init__(self, engine_dir: Path, manifest: dict[str, Any], device: str = "auto", threads: int | None = None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, device: str = "auto", threads: int | None = None):
         import onnxruntime as ort
 
-        d = manifest["drafter"]
-        cfg = d["config"]
-        graph = manifest["graphs"]["drafter"]
+        d = manifest.drafter
+        cfg = d.config
+        graph = manifest.graphs["drafter"]
         hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         super().__init__(engine_dir, graph, (1, cfg["num_key_value_heads"], hd), device, threads)
-        self.fc = ort.InferenceSession(str(engine_dir / manifest["graphs"]["drafter_fc"]["file"]),
+        self.fc = ort.InferenceSession(str(engine_dir / manifest.graphs["drafter_fc"].file),
                                        session_options(threads, self.role), providers=providers(device))
-        self.num_draft_tokens = int(d["num_draft_tokens"])
+        self.num_draft_tokens = int(d.num_draft_tokens)
         # the head's own positions where its config says, else the target's (it drafts at the target's positions)
-        self.max_positions = int(cfg.get("max_position_embeddings") or manifest["target"]["max_position_embeddings"])
-        self.vocab_size = int(manifest["target"]["vocab_size"])
+        self.max_positions = int(cfg.get("max_position_embeddings") or manifest.target.max_position_embeddings)
+        self.vocab_size = int(manifest.target.vocab_size)
         self._drafter_setup(engine_dir, manifest, graph)
 
     def can_draft(self, committed: int) -> bool:

@@ -175,7 +175,7 @@ class OpenAIServing:
 
     def ab(self, params: SamplingParams) -> dict:
         """The A/B switches this request ran with (echoed in the response's ``sharpdraft`` block)."""
-        enabled = bool(self.engine.manifest and self.engine.manifest["query_scale"]["enabled"])
+        enabled = bool(self.engine.manifest and self.engine.manifest.query_scale.profile.enabled)
         return {"speculative": params.speculative,
                 "query_scale": bool(params.query_scale and params.speculative and enabled)}
 

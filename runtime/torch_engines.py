@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from plugins.rule import Family, QueryScaleProfile
 from runtime.kv_cache import KVCache, pad_caches, unpad_present
+from runtime.manifest import Manifest
 from runtime.modes import AttentionImpl, DrafterContext, Verification
 from runtime.ragged import dflash_block, rows_after_past
 
@@ -328,32 +328,27 @@ class TorchDFlashDrafter:
         return logits.float().cpu().numpy()
 
 
-def manifest_profile(manifest: dict[str, Any]) -> QueryScaleProfile:
-    """The query-scale profile an engines manifest recorded (``query_scale`` minus its bookkeeping fields).
-
-    Raises:
-        ValueError: a field of the profile is invalid.
-    """
-    names = {f.name for f in dataclasses.fields(QueryScaleProfile)}
-    return QueryScaleProfile.from_dict({k: v for k, v in manifest["query_scale"].items() if k in names})
+def manifest_profile(manifest: Manifest) -> QueryScaleProfile:
+    """The query-scale profile an engines manifest recorded (``query_scale`` minus its bookkeeping fields)."""
+    return manifest.query_scale.profile
 
 
-def check_torch_backend(manifest: dict) -> None:
-    """What the torch backend can rebuild from a manifest (``load_manifest``'s dict): a DFlash drafter and the fp32
+def check_torch_backend(manifest: Manifest) -> None:
+    """What the torch backend can rebuild from a manifest (``load_manifest``'s): a DFlash drafter and the fp32
     target (a quantized target folder holds another model than the one it would rebuild). Reads no files, so callers
     can refuse a folder before any work (scripts/bench_table1.py). Raises EngineDirError saying what to do."""
     from runtime.manifest import EngineDirError
 
-    family, precision = manifest["drafter"]["family"], manifest["target"]["precision"]
-    if Family.parse(family) != Family.DFLASH:  # a capability of this backend, not a family rule
-        raise EngineDirError(f"the torch backend runs DFlash drafters only, this folder has {family!r}")
+    family, precision = manifest.drafter.family, manifest.target.precision
+    if family != Family.DFLASH:  # a capability of this backend, not a family rule
+        raise EngineDirError(f"the torch backend runs DFlash drafters only, this folder has {family.value!r}")
     if precision != "fp32":
         raise EngineDirError(f"this folder's target is {precision} (ONNX Runtime GenAI's builder "
                              "graph); the torch backend rebuilds the fp32 target from its source, another model: "
                              "use --backend onnxruntime, or export with --target-precision fp32 for the torch backend")
 
 
-def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, base_dir: Path | None = None,
+def torch_pair_from_manifest(manifest: Manifest, device: str = "auto", *, base_dir: Path | None = None,
                              attention_impl: str = "fused") -> tuple[TorchTarget, TorchDFlashDrafter]:
     """Build the torch target + drafter an engines/ folder was exported from.
 
@@ -370,32 +365,32 @@ def torch_pair_from_manifest(manifest: dict[str, Any], device: str = "auto", *, 
     from runtime.models.target import DEFAULT_TARGET, TargetLoadError
 
     check_torch_backend(manifest)
-    drafter_info, target_info = manifest["drafter"], manifest["target"]
-    source = target_info["source"]
+    drafter_info, target_info = manifest.drafter, manifest.target
+    source = target_info.source
     if source != DEFAULT_TARGET:
         cand = Path(source)
         if not cand.is_absolute() and not cand.exists() and base_dir is not None and (base_dir / cand).exists():
             cand = base_dir / cand
         source = str(cand)
-    ckpt = Path(drafter_info["checkpoint"])
+    ckpt = Path(drafter_info.checkpoint)
     if not ckpt.is_absolute() and not ckpt.exists() and base_dir is not None:
         ckpt = base_dir / ckpt
     if not (ckpt / "config.json").is_file():
         raise EngineDirError(f"torch backend: the drafter checkpoint recorded in the manifest "
-                             f"({drafter_info['checkpoint']!r}) is missing (no config.json); "
+                             f"({drafter_info.checkpoint!r}) is missing (no config.json); "
                              "restore it there, re-export from where it lives, or use the onnxruntime backend")
     try:
-        target = TorchTarget.load(source, drafter_info["target_layer_ids"], device)
+        target = TorchTarget.load(source, drafter_info.details["target_layer_ids"], device)
     except TargetLoadError as e:
         raise EngineDirError(f"torch backend: cannot load the target recorded in the manifest ({source!r}): {e}. "
                              "Install it / restore the folder, or use the onnxruntime backend") from e
-    if target.num_layers != target_info["num_layers"] or target.vocab_size != target_info["vocab_size"]:
+    if target.num_layers != target_info.num_layers or target.vocab_size != target_info.vocab_size:
         raise EngineDirError(f"torch backend: target {source!r} has {target.num_layers} layers / vocab "
-                             f"{target.vocab_size}, the manifest recorded {target_info['num_layers']} / "
-                             f"{target_info['vocab_size']}: it is not the model this folder was exported from")
+                             f"{target.vocab_size}, the manifest recorded {target_info.num_layers} / "
+                             f"{target_info.vocab_size}: it is not the model this folder was exported from")
     try:
         drafter = TorchDFlashDrafter.load(ckpt, target, manifest_profile(manifest), device, attention_impl)
-        vocab_entry = drafter_info.get("draft_vocab")
+        vocab_entry = drafter_info.draft_vocab
         if vocab_entry and base_dir is not None:  # the same reduced LM head as the ONNX Runtime drafter
             from runtime.draft_vocab import load_draft_vocab
 

@@ -220,14 +220,14 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
     from training.corpus import document_prompts as _prompts
 
     engines = {"int4": SpecEngine.from_dir(engine_dir)}
-    if engines["int4"].manifest["target"].get("precision") != "int4":
+    if engines["int4"].manifest.target.precision != "int4":
         raise click.BadParameter(f"{engine_dir} was not exported with --target-precision int4", param_hint="--engine")
     if engine_fp32 is not None:
         engines["fp32"] = SpecEngine.from_dir(engine_fp32)
     tok = engines["int4"].tokenizer
     # the "+lookup" rows: the same backends with prompt lookup on
     with_lookup = {n: e.with_options(prompt_lookup=prompt_lookup) for n, e in engines.items()} if prompt_lookup else {}
-    hf_dir = resolve_target(engines["int4"].manifest["target"]["source"])
+    hf_dir = resolve_target(engines["int4"].manifest.target.source)
     peers = {"ortgenai-int4": og.Model(str(build_peer(hf_dir, peer_dir / "int4", "int4")))}
     if not no_fp32_peer:
         peers["ortgenai-fp32"] = og.Model(str(build_peer(hf_dir, peer_dir / "fp32", "fp32")))

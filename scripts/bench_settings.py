@@ -33,7 +33,7 @@ from runtime.benchmarking import figure, save_figure
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _pair(engine_dir: Path, manifest: dict, threads: int, spin: str):
+def _pair(engine_dir: Path, manifest, threads: int, spin: str):
     from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
 
     from unittest import mock
@@ -44,7 +44,7 @@ def _pair(engine_dir: Path, manifest: dict, threads: int, spin: str):
         return OrtTarget(engine_dir, manifest, "cpu", threads), OrtDFlashDrafter(engine_dir, manifest, "cpu", threads)
 
 
-def time_threads(engine_dir: Path, manifest: dict, ids: list[int], settings: list[tuple[int, str]], k: int,
+def time_threads(engine_dir: Path, manifest, ids: list[int], settings: list[tuple[int, str]], k: int,
                  rounds: int) -> dict:
     """Median ms of a draft call, a verify call of 1 + k tokens and a decode step per (threads, spin) setting."""
     pairs = {s: _pair(engine_dir, manifest, *s) for s in settings}
@@ -94,7 +94,7 @@ def quantize_drafter_graph(src: Path, dst: Path, method: str) -> None:
     nbits(src, dst, None, None, None, layer_bits={"nbits8": 8, "nbits4": 4}[method])
 
 
-def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], positions: int, rounds: int,
+def time_int8_drafter(engine_dir: Path, manifest, ids: list[int], positions: int, rounds: int,
                       work: Path, method: str = "dynamic-int8") -> dict:
     """The drafter graph with quantized weights (:func:`quantize_drafter_graph` ``method``) against the exported
     float graph, on real features of ``ids``.
@@ -112,11 +112,11 @@ def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], position
     (q_dir / "drafter").mkdir(parents=True)
     for name in ("target", "tokenizer", "manifest.json"):
         (q_dir / name).symlink_to((engine_dir / name).resolve())
-    src = engine_dir / manifest["graphs"]["drafter"]["file"]
+    src = engine_dir / manifest.graphs["drafter"].file
     for f in src.parent.iterdir():
         if f.suffix == ".json":
             shutil.copyfile(f, q_dir / "drafter" / f.name)
-    quantize_drafter_graph(src, q_dir / manifest["graphs"]["drafter"]["file"], method)
+    quantize_drafter_graph(src, q_dir / manifest.graphs["drafter"].file, method)
     drafters = {"fp32": OrtDFlashDrafter(engine_dir, manifest, "cpu", None),
                 "int8": OrtDFlashDrafter(q_dir, manifest, "cpu", None)}
     size = {name: sum(f.stat().st_size for f in (d / "drafter").iterdir() if not f.suffix == ".json")
@@ -146,7 +146,7 @@ def time_int8_drafter(engine_dir: Path, manifest: dict, ids: list[int], position
             "drafter_bytes": size}
 
 
-def time_prefill(engine_dir: Path, manifest: dict, ids: list[int], chunks: list[int], threads: int | None,
+def time_prefill(engine_dir: Path, manifest, ids: list[int], chunks: list[int], threads: int | None,
                  rounds: int) -> dict:
     """Median prefill seconds of ``ids`` per chunk size (0 = the whole prompt in one call)."""
     from runtime.ort_engines import OrtTarget
@@ -175,7 +175,7 @@ def time_kv_forms(folders: dict[str, Path], contexts: list[int], k: int, rounds:
     manifests = {name: load_manifest(d) for name, d in folders.items()}
     targets = {name: OrtTarget(d, manifests[name], "cpu", None) for name, d in folders.items()}
     drafters = {name: OrtDFlashDrafter(d, manifests[name], "cpu", None) for name, d in folders.items()
-                if ort_drafter_class(manifests[name]["drafter"]["family"]) is OrtDFlashDrafter}
+                if ort_drafter_class(manifests[name].drafter.family) is OrtDFlashDrafter}
     rng = np.random.default_rng(0)
     out = {}
 

@@ -105,7 +105,7 @@ def query_scale_overhead(engine, ids: list[int], reps: int, threads: int | None 
     from export.rewrite import remove_query_scale
     from runtime.ort_engines import providers, session_options
 
-    drafter, m = engine.drafter, engine.manifest
+    drafter, m = engine.drafter, engine.manifest.to_dict()
     graph = ir.load(engine.engine_dir / m["graphs"]["drafter"]["file"])
     ir.external_data.load_to_model(graph)  # weights in memory: the session is built from bytes
     removed = remove_query_scale(graph)
@@ -269,7 +269,7 @@ def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token
     engine = SpecEngine.from_dir(engine_dir, threads=threads)
     if engine.drafter is None:
         raise click.UsageError(f"{engine_dir} has no drafter graph")
-    target_src = engine.manifest["target"]["source"]
+    target_src = engine.manifest.target.source
     from runtime.models.target import resolve_target
 
     hf = None if no_hf else AutoModelForCausalLM.from_pretrained(resolve_target(target_src),
@@ -291,10 +291,10 @@ def main(engine_dir: Path, contexts: str, kinds: str, new_tokens: int, end_token
     run_ort(engine, warm, 4, False)
     if hf is not None:
         run_hf(hf, warm, 4, False)
-    result = {"engine": str(engine_dir), "manifest_query_scale": engine.manifest["query_scale"],
-              "family": engine.manifest["drafter"]["family"], "threads": threads, "new_tokens": new_tokens,
+    result = {"engine": str(engine_dir), "manifest_query_scale": engine.manifest.to_dict()["query_scale"],
+              "family": engine.manifest.drafter.family.value, "threads": threads, "new_tokens": new_tokens,
               "contexts": ctxs, "kinds": kind_list, "configs": configs,
-              "kv_io": engine.manifest["graphs"]["target"].get("kv_io", "concat"), "prompts": {}}
+              "kv_io": engine.manifest.to_dict()["graphs"]["target"].get("kv_io", "concat"), "prompts": {}}
     out.mkdir(parents=True, exist_ok=True)
     for i, (key, ids) in enumerate(tqdm(prompts.items(), desc="prompts", file=sys.stderr)):
         order = rotated(configs, i)

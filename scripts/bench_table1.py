@@ -116,7 +116,7 @@ def _worker(engine_dir: Path, config: str, prompts: dict[str, list[int]], new_to
             rows[name] |= {"mal": round(s.mean_accepted_length, 4), "acceptance": s.acceptance_per_position,
                            "rounds": s.rounds}
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"config": config, "engine": str(engine_dir), "query_scale": engine.manifest["query_scale"],
+    return {"config": config, "engine": str(engine_dir), "query_scale": engine.manifest.to_dict()["query_scale"],
             "query_scale_on": query_scale, "backend": "torch" if torch_backend else "onnxruntime",
             "max_new_tokens": new_tokens, "peak_rss_mb": round(peak_mb, 1), "rows": rows,
             "online": adapter.stats() if adapter is not None else None}

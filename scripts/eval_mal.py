@@ -88,7 +88,7 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
     summary = {"engine": str(engine_dir), "context": context, "new_tokens": new_tokens,
                "temperature": temperature, "top_p": top_p, "verification": engine.verification,
                "draft_tokens": draft_tokens if draft_tokens is not None else engine.default_draft_tokens,
-               "query_scale": engine.manifest["query_scale"],
+               "query_scale": engine.manifest.to_dict()["query_scale"],
                "prompt_lookup": dataclasses.asdict(engine.prompt_lookup) if engine.prompt_lookup else None,
                "draft_confidence": draft_confidence.threshold if draft_confidence else None,
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),

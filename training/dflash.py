@@ -496,8 +496,8 @@ def engine_tables(engine_dir: Path, shape: torch.Size) -> tuple[torch.Tensor, to
         m = load_manifest(engine_dir)
     except EngineDirError as e:
         raise click.UsageError(f"--tables-from {engine_dir}: {e}") from e
-    shared = m.get("shared_weights") or {}
-    target_graph = engine_dir / m["graphs"]["target"]["file"]
+    shared = m.shared_weights or {}
+    target_graph = engine_dir / m.graphs["target"].file
     out = []
     for name in ("embed_weight", "lm_head_weight"):
         spec = shared.get(name) or shared.get("embed_weight")  # tied tables: one spec serves both

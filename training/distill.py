@@ -95,7 +95,7 @@ def load_served_target(engine_dir: Path, threads: int) -> tuple[OrtTarget, "PreT
     from runtime.manifest import load_manifest
 
     manifest = load_manifest(engine_dir)
-    tok = AutoTokenizer.from_pretrained(engine_dir / manifest["tokenizer"]["dir"])
+    tok = AutoTokenizer.from_pretrained(engine_dir / manifest.tokenizer.dir)
     return OrtTarget(engine_dir, manifest, threads=threads), tok
 
 

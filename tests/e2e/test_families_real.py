@@ -41,7 +41,7 @@ def engine(request, tmp_path_factory):
 
 
 def test_lossless_on_real_prompts(engine):
-    assert engine.manifest["target"]["precision"] == "int4"
+    assert engine.manifest.to_dict()["target"]["precision"] == "int4"
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
                                        return_dict=False) for c in CHAT] + [tok.encode(c) for c in CODE]
@@ -51,7 +51,7 @@ def test_lossless_on_real_prompts(engine):
         base = engine.generate_target_only(ids, NEW_TOKENS)
         assert spec.token_ids == base.token_ids, tok.decode(ids)
         mals.append(spec.stats.mean_accepted_length)
-    assert sum(mals) / len(mals) > MIN_MAL[engine.manifest["drafter"]["family"]], mals
+    assert sum(mals) / len(mals) > MIN_MAL[engine.manifest.to_dict()["drafter"]["family"]], mals
     reqs = [(p, SamplingParams(max_new_tokens=24)) for p in prompts[:3]]
     for (ids, params), out in zip(reqs, engine.generate_batch(reqs)):
         assert out.token_ids == engine.generate_target_only(ids, params.max_new_tokens).token_ids

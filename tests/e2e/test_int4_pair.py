@@ -36,7 +36,7 @@ def engine(int4_engines):
 
 
 def test_default_export_is_the_int4_builder_graph(engine):
-    m = engine.manifest
+    m = engine.manifest.to_dict()
     assert m["target"]["precision"] == "int4"
     g = m["graphs"]["target"]
     assert g["kv_io"] == "shared" and g["min_q_len"] == 2 and g["taps_output"] == "aux_hidden_states"

@@ -19,7 +19,7 @@ from tests.conftest import write_tiny_dflash
 
 
 def test_manifest_records_profile_io_and_validation(tiny_engines):
-    m = load_manifest(tiny_engines)
+    m = load_manifest(tiny_engines).to_dict()
     qs = m["query_scale"]
     assert (qs["ref_keys"], qs["slope"], qs["top_k"], qs["enabled"]) == (64, 5.0, 32, True)
     assert qs["source"].startswith("cli")
@@ -40,7 +40,7 @@ def test_manifest_records_profile_io_and_validation(tiny_engines):
 def test_validation_points_follow_the_rule(tiny_engines):
     """The exported drafter's beta at N = 100, ref, 4 ref, 20 ref equals the rule (ORT vs torch at that beta),
     and beta visibly changes the logits above ref_keys (so a constant-folded beta could not pass)."""
-    m = load_manifest(tiny_engines)
+    m = load_manifest(tiny_engines).to_dict()
     prof = QueryScaleProfile(ref_keys=64)
     pts = {p["num_keys"]: p for p in m["validation"]["drafter"]["points"]}
     assert sorted(pts) == [64, 100, 256, 1280]
@@ -63,7 +63,7 @@ def test_graph_beta_intermediate(tiny_engines, tmp_path):
     model.graph.output.append(onnx.helper.make_tensor_value_info(beta_name, onnx.TensorProto.FLOAT, None))
     onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.onnx.data")
     sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
-    m = load_manifest(tiny_engines)
+    m = load_manifest(tiny_engines).to_dict()
     d = m["drafter"]["config"]
     blk, ctx, prof = d["block_size"], 2, QueryScaleProfile(ref_keys=64)
     def beta_rows(ns: list[int], switch: list[float] | None = None) -> np.ndarray:
@@ -187,7 +187,7 @@ def test_interrupted_export_leaves_nothing(tmp_path, tiny_target_dir, tiny_dflas
     shutil.copytree(tiny_engines, out)  # an existing, valid engines folder survives an interrupted re-export
     with pytest.raises(KeyboardInterrupt):
         run_export(ExportConfig(target_precision="fp32", family="dflash", out=out, checkpoint=tiny_dflash_dir, target=str(tiny_target_dir)))
-    assert load_manifest(out)["query_scale"]["ref_keys"] == 64
+    assert load_manifest(out).to_dict()["query_scale"]["ref_keys"] == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
 
 
@@ -258,7 +258,7 @@ def test_replacing_a_folder_keeps_extra_files_and_says_so(tmp_path, tiny_engines
                        target=str(tiny_target_dir), ref_keys=48)
     with caplog.at_level("INFO", logger="sharpdraft.export"):
         run_export(cfg)
-    assert load_manifest(out)["query_scale"]["ref_keys"] == 48 and not (out / "NOTES.md").exists()
+    assert load_manifest(out).to_dict()["query_scale"]["ref_keys"] == 48 and not (out / "NOTES.md").exists()
     # the CLI's progress bar has as many phases as the export logs phase lines
     assert sum(r.getMessage().endswith("...") for r in caplog.records) == phase_lines(cfg) == 4
     kept = tmp_path / ".e.previous"

@@ -124,7 +124,7 @@ def test_verify_draft_tokens_default_and_per_request_override(vocab_engines):
 
     out, _ = vocab_engines
     engine = SpecEngine.from_dir(out, device="cpu", check_invariants=True)
-    assert engine.manifest["drafter"]["verify_draft_tokens"] == 2 and engine.drafter.num_draft_tokens == 3
+    assert engine.manifest.to_dict()["drafter"]["verify_draft_tokens"] == 2 and engine.drafter.num_draft_tokens == 3
     ids = engine.tokenizer.encode(PROMPTS[2])
     base = engine.generate_target_only(ids, 24).token_ids
     default = engine.generate(ids, 24)

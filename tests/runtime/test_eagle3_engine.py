@@ -18,7 +18,7 @@ def engine(tiny_eagle3_engines):
 
 
 def test_manifest_and_per_row_validation(tiny_eagle3_engines):
-    m = load_manifest(tiny_eagle3_engines)
+    m = load_manifest(tiny_eagle3_engines).to_dict()
     assert m["drafter"]["family"] == "eagle3" and m["drafter"]["num_draft_tokens"] == 4
     assert {"drafter", "drafter_fc", "target"} <= set(m["graphs"])
     assert set(m["shared_weights"]) == {"embed_weight"}

@@ -51,3 +51,13 @@ def test_an_older_schema_is_refused_with_re_export(tiny_engines, tmp_path):
     (eng / "manifest.json").write_text(json.dumps(old))
     with pytest.raises(EngineDirError, match=r"schema_version 1, this runtime reads 2 .*--drafter dflash"):
         load_manifest(eng)
+
+
+@pytest.mark.parametrize("folder", ["tiny_engines", "tiny_pard_engines", "tiny_eagle3_engines"])
+def test_the_typed_manifest_is_the_file_byte_for_byte(folder, request):
+    """load_manifest returns the typed Manifest; the writer (export/pipeline.py) builds the same objects and
+    writes ``json.dumps(manifest.to_dict(), indent=1)``: reading and writing back reproduces the file exactly."""
+    path = request.getfixturevalue(folder)
+    manifest = load_manifest(path)
+    assert isinstance(manifest, Manifest)
+    assert json.dumps(manifest.to_dict(), indent=1) + "\n" == (path / "manifest.json").read_text()

@@ -19,7 +19,7 @@ def engine(tiny_pard_engines):
 
 
 def test_manifest_and_export_validation(tiny_pard_engines):
-    m = load_manifest(tiny_pard_engines)
+    m = load_manifest(tiny_pard_engines).to_dict()
     d = m["drafter"]
     assert d["family"] == "pard" and d["num_draft_tokens"] == 4 and d["pard_token"] == 49152
     assert d["mask_embedding"] and d["borrow_embeddings"]

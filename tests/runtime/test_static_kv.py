@@ -57,6 +57,18 @@ def tiny_model(tiny_target_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
 
 
+def _target_only(d: dict):
+    """What OrtTarget reads of a typed manifest (runtime/manifest.py), from a target-only dict."""
+    from types import SimpleNamespace
+
+    from runtime.manifest import GraphEntry, TargetEntry
+
+    graph = {**d["graphs"]["target"], "sha256": {d["graphs"]["target"]["file"]: ""}}
+    return SimpleNamespace(target=TargetEntry(source="tiny", architecture="LlamaForCausalLM", hidden_size=0,
+                                              **d["target"]),
+                           graphs={"target": GraphEntry.from_dict(graph, "graphs.target")})
+
+
 def test_static_graph_validates_and_equals_the_concat_graph(tiny_model, tmp_path):
     """Both export forms pass validation (noise in the spare slots included) and give the same logits, taps and
     K/V through their runtime caches, with prefill chunked in 3s and a rollback between steps."""
@@ -76,7 +88,7 @@ def test_static_graph_validates_and_equals_the_concat_graph(tiny_model, tmp_path
                                "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
                                "vocab_size": cfg.vocab_size, "precision": "fp32"},
                     "graphs": {"target": {"file": f"{kv_io}/model.onnx", **io}}}
-        target = OrtTarget(tmp_path, json.loads(json.dumps(manifest)), device="cpu", threads=1)
+        target = OrtTarget(tmp_path, _target_only(json.loads(json.dumps(manifest))), device="cpu", threads=1)
         target.prefill_chunk = 3
         cache = target.new_cache()
         assert isinstance(cache, StaticKVCache) == (kv_io == "static")
@@ -102,7 +114,7 @@ def test_static_ragged_batch_equals_solo_rows(tiny_model, tmp_path):
                            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
                            "vocab_size": cfg.vocab_size, "precision": "fp32"},
                 "graphs": {"target": {"file": "t/model.onnx", **io}}}
-    target = OrtTarget(tmp_path, manifest, device="cpu", threads=1)
+    target = OrtTarget(tmp_path, _target_only(manifest), device="cpu", threads=1)
     prompts, steps = [[3, 4, 5, 6, 7, 8], [9, 10]], [[20, 21, 22], [23]]
     solo = []
     for p, s in zip(prompts, steps):
@@ -128,12 +140,13 @@ def test_export_option_concat_form_runs_lossless_and_equals_static(tiny_engines,
 
     concat = SpecEngine.from_dir(concat_engines, device="cpu", check_invariants=True)
     static = SpecEngine.from_dir(tiny_engines, device="cpu", check_invariants=True)
+    concat_m, static_m = concat.manifest.to_dict(), static.manifest.to_dict()
     for graph in ("target", "drafter"):
-        assert concat.manifest["graphs"][graph]["kv_io"] == "concat"
-        assert static.manifest["graphs"][graph]["kv_io"] == "static"
-        assert "present_key.0" in concat.manifest["graphs"][graph]["outputs"]
-        assert "new_key.0" in static.manifest["graphs"][graph]["outputs"]
-    assert static.manifest["validation"]["drafter"]["max_abs_diff_new_kv"] < 2e-3
+        assert concat_m["graphs"][graph]["kv_io"] == "concat"
+        assert static_m["graphs"][graph]["kv_io"] == "static"
+        assert "present_key.0" in concat_m["graphs"][graph]["outputs"]
+        assert "new_key.0" in static_m["graphs"][graph]["outputs"]
+    assert static_m["validation"]["drafter"]["max_abs_diff_new_kv"] < 2e-3
     ids = static.tokenizer.encode("The quick brown fox")
     want = static.generate_target_only(ids, 20).token_ids
     got_concat, got_static = concat.generate(ids, 20), static.generate(ids, 20)
