@@ -27,7 +27,7 @@ from plugins.rule import Family, QueryScaleProfile
 from runtime.draft_vocab import DRAFT_VOCAB_FILE
 from runtime.manifest import (MANIFEST, SCHEMA_VERSION, DrafterEntry, GraphEntry, Manifest, QueryScaleEntry,
                               TargetEntry, TokenizerEntry, sha256_file)
-from runtime.models.dflash import CheckpointError, check_finite
+from runtime.models.checkpoint_io import CheckpointError, check_finite
 from runtime.modes import KvIo
 
 log = logging.getLogger("sharpdraft.export")

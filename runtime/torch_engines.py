@@ -361,7 +361,7 @@ def torch_pair_from_manifest(manifest: Manifest, device: str = "auto", *, base_d
             message names the source and how to fix it); a quantized (int4 / int8) target folder.
     """
     from runtime.manifest import EngineDirError
-    from runtime.models.dflash import CheckpointError
+    from runtime.models.checkpoint_io import CheckpointError
     from runtime.models.target import DEFAULT_TARGET, TargetLoadError
 
     check_torch_backend(manifest)

@@ -1,4 +1,6 @@
-"""Write safetensors files with the modes the process umask allows.
+"""Reading and writing checkpoint files: the checks every drafter loader shares (:class:`CheckpointError`,
+:func:`read_safetensors`, :func:`check_finite`, :func:`check_state`), and safetensors written with the modes the
+process umask allows.
 
 safetensors >= 0.8 writes through a temporary file that is created 0600 and renamed into place
 (safetensors/safetensors#782), so a checkpoint saved under umask 022 is readable by its owner only, while the
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import torch
 
 
 def current_umask() -> int:
@@ -55,3 +59,70 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] |
         from safetensors.torch import save_file
     save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, mode)
+
+
+class CheckpointError(RuntimeError):
+    """A drafter checkpoint is missing, corrupt or does not match its config; the message says what to do."""
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in checkpoint folder ``path``.
+
+    Raises:
+        CheckpointError: no safetensors file, or one is corrupt / unreadable (named), or a floating-point tensor
+            holds NaN or inf (:func:`check_finite`).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights next to config.json")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e}); re-download or re-train it") \
+                from e
+    check_finite(path, state)
+    return state
+
+
+def check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose floating-point tensors hold NaN or inf: such a drafter exports, validates against a
+    torch reference that is NaN too, and then never has a draft token accepted.
+
+    Raises:
+        CheckpointError: one line naming the first such tensor (sorted by name) and its NaN / inf counts.
+    """
+    for name in sorted(state):
+        t = state[name]
+        if not torch.is_floating_point(t):
+            continue
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(t).sum())
+            raise CheckpointError(f"{path}: tensor {name!r} holds {nan} NaN and {int((~finite).sum()) - nan} inf "
+                                  "values; the checkpoint is damaged (re-download it, or retrain from a finite step)")
+
+
+def check_state(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], *,
+                optional: set[str] = frozenset(), strict: bool = True, show=lambda k: k) -> None:
+    """Compare checkpoint tensors ``state`` with a module's ``expected`` state dict.
+
+    Args:
+        optional: expected keys a checkpoint may omit. ``strict=False`` tolerates missing / unexpected keys.
+        show: how a key is printed in messages (e.g. without a wrapper's prefix).
+    Raises:
+        CheckpointError: keys missing or unexpected (first 8 of each listed), or shapes differing from the config.
+    """
+    missing = sorted(set(expected) - set(state) - set(optional))
+    unexpected = sorted(set(state) - set(expected))
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing "
+                              f"{[show(k) for k in missing][:8]}, unexpected {[show(k) for k in unexpected][:8]}")
+    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+           if k in state and state[k].shape != v.shape]
+    if bad:
+        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")

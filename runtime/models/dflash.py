@@ -33,12 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models import attention_probe
+from runtime.models.checkpoint_io import CheckpointError, check_state, read_safetensors
 from plugins.rule import Family, beta_torch, count_visible, switch_rows
 from runtime.modes import AttentionImpl
-
-
-class CheckpointError(RuntimeError):
-    """A drafter checkpoint is missing, corrupt or does not match its config; the message says what to do."""
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -676,69 +673,6 @@ class DFlashDrafter(nn.Module):
         if key_mask is not None:
             ok = ok & key_mask[:, :, 0]  # [batch, 1, keys] over the query axis
         return ok[:, None]
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files in checkpoint folder ``path``.
-
-    Raises:
-        CheckpointError: no safetensors file, or one is corrupt / unreadable (named), or a floating-point tensor
-            holds NaN or inf (:func:`check_finite`).
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weights next to config.json")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e}); re-download or re-train it") \
-                from e
-    check_finite(path, state)
-    return state
-
-
-def check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
-    """Refuse a checkpoint whose floating-point tensors hold NaN or inf: such a drafter exports, validates against a
-    torch reference that is NaN too, and then never has a draft token accepted.
-
-    Raises:
-        CheckpointError: one line naming the first such tensor (sorted by name) and its NaN / inf counts.
-    """
-    for name in sorted(state):
-        t = state[name]
-        if not torch.is_floating_point(t):
-            continue
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            nan = int(torch.isnan(t).sum())
-            raise CheckpointError(f"{path}: tensor {name!r} holds {nan} NaN and {int((~finite).sum()) - nan} inf "
-                                  "values; the checkpoint is damaged (re-download it, or retrain from a finite step)")
-
-
-def check_state(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], *,
-                optional: set[str] = frozenset(), strict: bool = True, show=lambda k: k) -> None:
-    """Compare checkpoint tensors ``state`` with a module's ``expected`` state dict.
-
-    Args:
-        optional: expected keys a checkpoint may omit. ``strict=False`` tolerates missing / unexpected keys.
-        show: how a key is printed in messages (e.g. without a wrapper's prefix).
-    Raises:
-        CheckpointError: keys missing or unexpected (first 8 of each listed), or shapes differing from the config.
-    """
-    missing = sorted(set(expected) - set(state) - set(optional))
-    unexpected = sorted(set(state) - set(expected))
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"{path}: checkpoint keys do not match its config: missing "
-                              f"{[show(k) for k in missing][:8]}, unexpected {[show(k) for k in unexpected][:8]}")
-    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-           if k in state and state[k].shape != v.shape]
-    if bad:
-        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {bad[:4]}")
 
 
 def load_dflash(path: str | Path, *, strict: bool = True, dtype: torch.dtype = torch.float32,

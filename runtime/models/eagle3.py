@@ -35,8 +35,8 @@ from torch import nn
 
 from plugins.rule import Family
 from runtime.models import attention_probe
-from runtime.models.dflash import (ROPE_TYPES, CheckpointError, DFlashMLP, RMSNorm, apply_rope, check_finite,
-                                   check_state, rope_cos_sin, rope_inv_freq, rope_type_of)
+from runtime.models.checkpoint_io import CheckpointError, check_finite, check_state
+from runtime.models.dflash import ROPE_TYPES, DFlashMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_type_of
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:

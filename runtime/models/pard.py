@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.dflash import CheckpointError, check_state, read_safetensors
+from runtime.models.checkpoint_io import CheckpointError, check_state, read_safetensors
 
 
 def pard_token_of(config: dict[str, Any]) -> int:

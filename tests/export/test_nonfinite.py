@@ -13,7 +13,8 @@ from export.cli import main as export_cli
 from export.errors import ExportError
 from export.pipeline import ExportConfig, run_export
 from export.validate import ValidationError, max_abs_diff, within
-from runtime.models.dflash import CheckpointError, load_dflash
+from runtime.models.checkpoint_io import CheckpointError
+from runtime.models.dflash import load_dflash
 from tests.conftest import write_tiny_dflash, write_tiny_eagle3, write_tiny_pard
 
 

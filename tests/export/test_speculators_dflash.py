@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from export.pipeline import ExportConfig, ExportError, run_export
 from runtime.engine import SpecEngine
-from runtime.models.dflash import CheckpointError, DFlashConfig, load_dflash
+from runtime.models.checkpoint_io import CheckpointError
+from runtime.models.dflash import DFlashConfig, load_dflash
 from tests.conftest import TINY_VOCAB, dflash_layer_state
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "speculators-dflash-example.config.json"

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from runtime.models.dflash import CheckpointError, DFlashConfig, load_dflash, save_dflash
+from runtime.models.checkpoint_io import CheckpointError
+from runtime.models.dflash import DFlashConfig, load_dflash, save_dflash
 from tests.conftest import TINY_VOCAB, write_tiny_dflash
 
 PUBLIC_LAYER_KEYS = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {"self_attn.q_norm.weight",

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.models.dflash import CheckpointError
+from runtime.models.checkpoint_io import CheckpointError
 from runtime.models.eagle3 import default_aux_layer_ids, load_eagle3, row_beta
 
 V, VD, H = 200, 50, 32

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.models.dflash import CheckpointError
+from runtime.models.checkpoint_io import CheckpointError
 from runtime.models.pard import load_pard
 
 V, H = 300, 64
