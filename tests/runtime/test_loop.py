@@ -138,7 +138,7 @@ def test_padded_drafter_vocabulary_never_proposes_padding():
 @pytest.mark.parametrize("kw, match", [
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -0.1}, "temperature"),
     ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -3}, "top_k"), ({"seed": -1}, "seed"), ({"stop": ("",)}, "stop"),
+    ({"top_k": -3}, "top_k"), ({"seed": 2 ** 63}, "seed"), ({"stop": ("",)}, "stop"),
     ({"num_draft_tokens": -1}, "num_draft_tokens")])
 def test_bad_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
