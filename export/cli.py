@@ -16,6 +16,7 @@ from export.genai_target import PRECISIONS
 from export.pipeline import (DEFAULT_TARGET_PRECISION, DTYPES, EXPORT_LOG, FAMILIES, ExportConfig, ExportError,
                              phase_lines, run_export)
 from export.rewrite import QueryScaleRewriteError
+from runtime.manifest import Manifest
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -101,15 +102,16 @@ def main(family, out, checkpoint, target, ref_keys, slope, cap, no_query_scale, 
         raise
     if log_path is not None and log_path.is_file():
         os.replace(log_path, out / EXPORT_LOG)
-    qs = manifest["query_scale"]
-    click.echo(f"wrote {out}: drafter {family} ({manifest['drafter']['num_draft_tokens']} draft tokens, "
-               f"{manifest['drafter']['verify_draft_tokens']} verified by default), query scale "
-               f"{'on' if qs['enabled'] else 'off'} (ref_keys {qs['ref_keys']}, slope {qs['slope']}, "
-               f"source {qs['source']})")
-    click.echo(_validation_line(manifest["validation"]))
-    fused = manifest["graphs"].get("drafter_fused")
-    if fused:
-        click.echo(_fused_line(fused, manifest["validation"]["drafter_fused"]))
+    m = Manifest.from_dict(manifest)  # the typed manifest (runtime/manifest.py), as the runtime reads it
+    qs = m.query_scale
+    click.echo(f"wrote {out}: drafter {family} ({m.drafter.num_draft_tokens} draft tokens, "
+               f"{m.drafter.verify_draft_tokens} verified by default), query scale "
+               f"{'on' if qs.profile.enabled else 'off'} (ref_keys {qs.profile.ref_keys}, slope {qs.profile.slope}, "
+               f"source {qs.source})")
+    click.echo(_validation_line(m.validation))
+    fused = m.graphs.get("drafter_fused")
+    if fused is not None:
+        click.echo(_fused_line(fused, m.validation["drafter_fused"]))
     if not verbose:
         click.echo(f"(exporter and optimizer output: {out / EXPORT_LOG})")
 
@@ -135,12 +137,13 @@ def _validation_line(validation: dict) -> str:
     return f"validation: {target}; {drafter}"
 
 
-def _fused_line(graph: dict, validation: dict) -> str:
-    """What ``--fused-attention`` wrote and how its graph compared with the portable one (export/fuse.py)."""
-    windows = ", ".join(str(w) if w else "full" for w in graph.get("fused_windows", []))
+def _fused_line(graph, validation: dict) -> str:
+    """What ``--fused-attention`` wrote (``graph``: the manifest's ``GraphEntry``) and how its graph compared with
+    the portable one (export/fuse.py)."""
+    windows = ", ".join(str(w) if w else "full" for w in graph.fused_windows or [])
     pts = "; ".join(f"N = {'+'.join(map(str, p['num_keys']))}: {p['max_abs_diff_logits']:.2g} "
                     f"(bound {p['bound']:.2g})" for p in validation["points"])  # a+b: one ragged call
-    return (f"fused drafter graph {graph['file']}: {graph['fused_attentions']} attentions as {graph['fused_op']} "
+    return (f"fused drafter graph {graph.file}: {graph.fused_attentions} attentions as {graph.fused_op} "
             f"(windows: {windows}), for TensorRT (the runtime runs the portable drafter graph); max |logit diff| vs "
             f"the portable graph at {pts}")
 

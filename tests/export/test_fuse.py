@@ -128,7 +128,9 @@ def test_export_cli_option_writes_and_validates_the_fused_graph(tmp_path, tiny_t
         "sharpdraft::QueryScaledAttention"
     assert np.isfinite([p["max_abs_diff_logits"] for p in manifest["validation"]["drafter_fused"]["points"]]).all()
     from export.cli import _fused_line
+    from runtime.manifest import GraphEntry
 
-    line = _fused_line(entry, manifest["validation"]["drafter_fused"])  # what the CLI prints after "validation:"
+    line = _fused_line(GraphEntry.from_dict(entry, "graphs.drafter_fused"),  # what the CLI prints after "validation:"
+                       manifest["validation"]["drafter_fused"])
     assert entry["fused_windows"] == [0, 0] and "2 attentions" in line and "windows: full, full" in line
     assert "the runtime runs the portable drafter graph" in line and "N = 100:" in line
