@@ -54,7 +54,7 @@ class ExportConfig:
     full_vocab: bool = False  # DFlash: ignore the checkpoint's draft_vocab.json (draft over the whole vocabulary)
     verify_draft_tokens: int | None = None  # runtime default of draft tokens verified per round (<= drafted)
     target_kv_io: str = "auto"  # export/graphs.py export_target: "static", "concat" or "auto"
-    drafter_kv_io: str = "static"  # export/graphs.py export_drafter (DFlash): "static" or "concat"
+    drafter_kv_io: str = "static"  # export/families/dflash/graph.py export_drafter: "static" or "concat"
     # "fp32" (export/graphs.py), "int4" / "int8" / "fp16" (genai_target.py); None: --dtype, else the default
     target_precision: str | None = None
     accuracy_level: int | None = None  # int4/int8: MatMulNBits activation precision (None: the module default)
