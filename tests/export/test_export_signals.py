@@ -29,6 +29,25 @@ def _builders(marker: str) -> list[int]:
     return out
 
 
+# Run the CLI with a log handler that holds the export at the phase's log line until the signal comes, so the
+# test does not depend on how long a tiny export's phase lasts on the machine (on a fast CI machine the int8
+# quantization of the tiny drafter ended within the 0.5 s the test used to wait, and the export completed).
+# The builder phase is not held: the signal is sent once the builder's child process is running.
+_HOLD = """
+import logging, os, sys, time
+phase = sys.argv.pop(1)
+terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the export points fd 2 at its log file while it runs
+class Hold(logging.Handler):
+    def emit(self, record):
+        if phase and phase in record.getMessage():
+            terminal.write(record.getMessage() + chr(10))
+            time.sleep(300)  # the signal arrives here, inside the phase
+logging.getLogger("sharpdraft.export").addHandler(Hold())
+from export.cli import main
+main(prog_name="sharpdraft-export")
+"""
+
+
 @pytest.mark.parametrize("phase, sig", [
     ("building the int4 target", signal.SIGTERM),  # the model builder's child process is running
     ("exporting drafter", signal.SIGHUP),
@@ -40,7 +59,9 @@ def test_a_signal_at_any_phase_leaves_nothing_behind(tmp_path, tiny_engines, tin
     out = tmp_path / "e"
     shutil.copytree(tiny_engines, out)  # an existing engines folder, which must survive
     before = (out / "manifest.json").read_bytes()
-    proc = subprocess.Popen([sys.executable, "-m", "export.cli", "--drafter", "dflash", "--out", str(out),
+    builder_phase = phase.startswith("building")
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, "" if builder_phase else phase,
+                             "--drafter", "dflash", "--out", str(out),
                              "--checkpoint", str(tiny_dflash_dir), "--target", str(tiny_target_dir),
                              "--ref-keys", "64"], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -49,7 +70,11 @@ def test_a_signal_at_any_phase_leaves_nothing_behind(tmp_path, tiny_engines, tin
         for line in proc.stderr:
             seen.append(line)
             if phase in line:
-                time.sleep(0.5)  # inside the phase
+                if builder_phase:  # wait for the builder's child (its command line names the temporary folder)
+                    deadline = time.time() + 60
+                    while not _builders(".e.tmp-") and time.time() < deadline and proc.poll() is None:
+                        time.sleep(0.05)
+                    assert _builders(".e.tmp-"), "the model builder's child process never started"
                 proc.send_signal(sig)
                 break
         else:
