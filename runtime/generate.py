@@ -19,6 +19,8 @@ import click
 from runtime.benchmarking import rotated_runs
 from runtime.draft_length import DEFAULT_CONFIDENCE
 from runtime.draft_length import click_option as draft_confidence_option
+from runtime.ort_threads import apply as apply_thread_pool
+from runtime.ort_threads import click_option as thread_pool_option
 from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 
@@ -55,8 +57,9 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
     "instead of the drafter's guess (runtime/prompt_lookup.py); 'off' for the drafter alone",
     default=PROMPT_LOOKUP_DEFAULT)
 @draft_confidence_option(DEFAULT_CONFIDENCE)
+@thread_pool_option()
 def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, top_p, top_k, seed, repeats,
-         json_out, online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup, draft_confidence):
+         json_out, online_adapt, adapt_rank, adapt_lr, adapt_interval, prompt_lookup, draft_confidence, thread_pool):
     from runtime.engine import SpecEngine
     from runtime.manifest import EngineDirError
     from runtime.sampling import SamplingParams
@@ -67,6 +70,8 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
             from runtime.online_adapt import AdaptConfig
 
             adapt = AdaptConfig(online_adapt, adapt_rank, adapt_lr, adapt_interval)
+        if backend == "onnxruntime":
+            apply_thread_pool(thread_pool)
         engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend, prompt_lookup=prompt_lookup,
                                      draft_confidence=draft_confidence, online_adapt=adapt)
         adapter = engine.adapter
@@ -108,7 +113,12 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
                 f"drafter's cumulative confidence falls below {draft_confidence.threshold}"
                 if draft_confidence is not None and engine.drafter is not None else
                 f"{engine.default_draft_tokens} of {m.drafter.num_draft_tokens} draft tokens verified per round")
-    click.echo(f"backend: {backend}; drafter: {m.drafter.family.value} ({drafter_precision} graph), "
+    from runtime.ort_threads import shared_thread_pool
+
+    pool = shared_thread_pool()
+    threads = (f" (ONNX Runtime: one shared pool of {pool} threads)" if pool else
+               " (ONNX Runtime: a pool per session)" if backend == "onnxruntime" else "")
+    click.echo(f"backend: {backend}{threads}; drafter: {m.drafter.family.value} ({drafter_precision} graph), "
                f"{verified}, query scale {'on' if qs.profile.enabled else 'off'} (ref_keys {qs.profile.ref_keys}, "
                f"from the {qs.source})")
     click.echo(f"mean accepted length (MAL): {s.mean_accepted_length:.3f} over {s.rounds} rounds; acceptance per "

@@ -32,43 +32,11 @@ from runtime.draft_vocab import expand_logits, load_draft_vocab
 from runtime.manifest import GraphEntry, Manifest
 from runtime.modes import DrafterContext, KvIo, Verification
 from runtime.ragged import attention_mask, dflash_block, positions, rows_after_past
+from runtime.ort_threads import ROLE_DEFAULTS, session_options  # noqa: F401 - re-exported
 from runtime.shared_tables import load_shared_table
 
 
 DEFAULT_PREFILL_CHUNK = 512
-
-
-# Per-role defaults on CPU (measured on the 2-core machine, docs/performance/README.md "Threads and spinning"): the
-# target's pool spins after a run (ONNX Runtime's own default, what ORT GenAI runs with), the drafter runs on the
-# calling thread alone, so it never competes with the target's spinning workers (speculative 1.1-1.3x faster per
-# prompt, target-only 1.1-1.3x faster than with spinning off everywhere, at 1k context).
-ROLE_DEFAULTS = {"target": {"spin": "1", "threads": None}, "drafter": {"spin": "0", "threads": 1}}
-
-
-def session_options(threads: int | None = None, role: str | None = None):
-    """ONNX Runtime session options of one graph (``role`` "target" / "drafter", or None for neither).
-
-    Threads: ``$SHARPDRAFT_<ROLE>_THREADS``; else the drafter's default of 1 (:data:`ROLE_DEFAULTS`); else
-    ``threads``, ``$SHARPDRAFT_THREADS``, the CPU count. Spinning of the intra-op pool after a run:
-    ``$SHARPDRAFT_<ROLE>_SPIN``, else ``$SHARPDRAFT_ORT_SPIN``, else the role's default (target on, drafter off;
-    off without a role).
-    """
-    import onnxruntime as ort
-
-    env = os.environ.get
-    tag = f"SHARPDRAFT_{role.upper()}_" if role else ""
-    defaults = ROLE_DEFAULTS.get(role or "", {"spin": "0", "threads": None})
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = (int(env(tag + "THREADS", 0)) if tag else 0) or defaults["threads"] or threads or int(
-        env("SHARPDRAFT_THREADS", 0)) or (os.cpu_count() or 1)
-    so.inter_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.log_severity_level = 3
-    # Both sessions spinning on the same cores is the worst case: a pool left spinning after its run steals the
-    # cores from the next session's threads (measured: in-loop verify 88 ms vs 54 ms at 2 cores).
-    spin = (env(tag + "SPIN") if tag else None) or env("SHARPDRAFT_ORT_SPIN") or defaults["spin"]
-    so.add_session_config_entry("session.intra_op.allow_spinning", spin)
-    return so
 
 
 def providers(device: str = "auto") -> list[str]:

@@ -39,6 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.async_engine import AsyncEngine, QueueFull, RequestStream
 from runtime.draft_length import DEFAULT_CONFIDENCE, DraftConfidence
 from runtime.draft_length import click_option as draft_confidence_option
+from runtime.ort_threads import apply as apply_thread_pool
+from runtime.ort_threads import click_option as thread_pool_option
 from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
 from runtime.prompt_lookup import PromptLookup
 from runtime.prompt_lookup import click_option as prompt_lookup_option
@@ -488,9 +490,10 @@ def wait_healthy(url: str, timeout_s: float = 60.0, path: str = "/health") -> bo
     "instead of the drafter's guess (runtime/prompt_lookup.py); 'off' for the drafter alone",
     default=PROMPT_LOOKUP_DEFAULT)
 @draft_confidence_option(DEFAULT_CONFIDENCE)
+@thread_pool_option()
 def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_running: int, max_waiting: int,
          model_name: str | None, draft_tokens_by_batch: str | None, adaptive_draft_tokens: bool,
-         prompt_lookup: PromptLookup | None, draft_confidence: DraftConfidence | None) -> None:
+         prompt_lookup: PromptLookup | None, draft_confidence: DraftConfidence | None, thread_pool: str) -> None:
     import uvicorn
 
     from runtime.engine import SpecEngine
@@ -503,6 +506,8 @@ def main(engine_dir: Path, host: str, port: int, device: str, backend: str, max_
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--draft-tokens-by-batch") from e
     try:
+        if backend == "onnxruntime":
+            apply_thread_pool(thread_pool)
         engine = SpecEngine.from_dir(engine_dir, device=device, backend=backend, draft_tokens_by_batch=table,
                                      adaptive_draft_tokens=adaptive_draft_tokens, prompt_lookup=prompt_lookup,
                                      draft_confidence=draft_confidence)

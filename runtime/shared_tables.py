@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.manifest import read_initializer
+from runtime.ort_threads import session_options
 
 _CACHE: dict = {}
 
@@ -87,8 +88,6 @@ def dequantize(target_onnx: Path, spec: dict) -> np.ndarray:
                                                                                             None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     (y,) = sess.run(None, {"x": x})
     return np.ascontiguousarray(y if op == "GatherBlockQuantized" else y.T, dtype=np.float32)

@@ -3,8 +3,8 @@
 ``loop`` runs the default export's pair in the real loop on held-out text at each ``--contexts`` size and, rotated
 per prompt, measures the plain 1-token path (``min_q`` 1, as ONNX Runtime GenAI decodes), the lossless block path
 (the folder's ``min_q_len``) and speculative decoding at each ``--draft-tokens`` k (drafter alone, prompt lookup
-off, k fixed per request). Per configuration: step ms (median), the part of it inside ONNX Runtime and the
-runtime's own part (binding, sampling, acceptance, cache bookkeeping), draft and verify ms per round, MAL, the
+off, k fixed per request; ``--thread-pool`` as runtime.generate's). Per configuration: step ms (median), the part
+of it inside ONNX Runtime and the runtime's own part (binding, sampling, acceptance, cache bookkeeping), draft and verify ms per round, MAL, the
 speedup over the 1-token path and the break-even MAL (round ms / 1-token step ms: the MAL at which the round pays).
 It also times the target graph alone for blocks of q = 1 .. max(k) + 1 rows at each context (the verify block's
 price in 1-token steps), prints the ONNX Runtime kernels that take the time (ORT's profiler, ``--ort-profile``) and
@@ -33,6 +33,7 @@ import click
 import numpy as np
 
 from runtime.benchmarking import rotated, run_timed
+from runtime.ort_threads import click_option as thread_pool_option
 
 DEFAULT_DOCUMENTS = "hamlet_gut,argparse.py"
 
@@ -204,13 +205,18 @@ def table(result: dict) -> str:
 @click.option("--repeats", default=9, show_default=True, type=click.IntRange(min=1),
               help="timed calls per block size in the graph-alone timing")
 @click.option("--ort-profile", is_flag=True, help="also run ORT's profiler at the first context")
+@thread_pool_option()
 @click.option("--out", default="runs/profile_round", type=click.Path(path_type=Path), show_default=True)
-def loop(engine_dir, contexts, draft_tokens, documents, end_token, new_tokens, repeats, ort_profile, out):
+def loop(engine_dir, contexts, draft_tokens, documents, end_token, new_tokens, repeats, ort_profile, thread_pool,
+         out):
     """The round, measured in the loop on the folder's pair (greedy, drafter alone)."""
     import platform
 
     from runtime.engine import SpecEngine
+    from runtime.ort_threads import apply
     from training.corpus import document_prompts
+
+    apply(thread_pool)
 
     ctxs = [int(c) for c in contexts.split(",")]
     ks = [int(k) for k in draft_tokens.split(",")]
@@ -225,6 +231,7 @@ def loop(engine_dir, contexts, draft_tokens, documents, end_token, new_tokens, r
     out.mkdir(parents=True, exist_ok=True)
     engine.generate(prompts[next(iter(prompts))][-64:], 8)  # warm-up
     result = {"engine": str(engine_dir), "machine": platform.processor() or platform.machine(),
+              "thread_pool": thread_pool,
               "new_tokens": new_tokens, "contexts": ctxs, "draft_tokens": ks, "summary": {}, "block_prices": {},
               "prompts": {}}
     configs = _configs(ks)

@@ -16,6 +16,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():  # Triton kernels run on CPU in Triton's interpreter (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# runtime.generate / runtime.serve invoked in this process (click's CliRunner) must not make ONNX Runtime's
+# process-wide pool (runtime/ort_threads.py): every later session of the test process would then need it. Tests of
+# the shared pool run it in subprocesses with SHARPDRAFT_ORT_THREAD_POOL=shared.
+os.environ["SHARPDRAFT_ORT_THREAD_POOL"] = "per-session"
 
 TINY_VOCAB = 49152
 

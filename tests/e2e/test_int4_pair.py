@@ -88,7 +88,8 @@ def test_one_token_path_equals_onnxruntime_genai(engine, int4_engines):
 def test_serve_answers_completions_on_the_int4_folder(int4_engines, engine):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(int4_engines),
-                             "--port", str(port)], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             "--port", str(port)],  # the entry point's default: one shared ONNX Runtime pool
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "SHARPDRAFT_ORT_THREAD_POOL": "shared"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
