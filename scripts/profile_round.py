@@ -4,8 +4,9 @@
 per prompt, measures the plain 1-token path (``min_q`` 1, as ONNX Runtime GenAI decodes), the lossless block path
 (the folder's ``min_q_len``) and speculative decoding at each ``--draft-tokens`` k (drafter alone, prompt lookup
 off, k fixed per request; ``--thread-pool`` as runtime.generate's). Per configuration: step ms (median), the part
-of it inside ONNX Runtime and the runtime's own part (binding, sampling, acceptance, cache bookkeeping), draft and verify ms per round, MAL, the
-speedup over the 1-token path and the break-even MAL (round ms / 1-token step ms: the MAL at which the round pays).
+of it inside ONNX Runtime and the runtime's own part (binding, sampling, acceptance, cache bookkeeping), draft and
+verify ms per round, MAL, the speedup over the 1-token path and the break-even MAL (round ms / 1-token step ms: the
+MAL at which the round pays).
 It also times the target graph alone for blocks of q = 1 .. max(k) + 1 rows at each context (the verify block's
 price in 1-token steps), prints the ONNX Runtime kernels that take the time (ORT's profiler, ``--ort-profile``) and
 the memory floor of one target step (bytes read: weights + K/V at the context, over the measured read bandwidth).
