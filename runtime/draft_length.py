@@ -8,6 +8,8 @@ compute, so engines pick k by load. Two policies, both lossless (k only changes 
 - :class:`AdaptiveDraftTokens`: per request, the schedule of Hugging Face transformers' assisted generation
   (``num_assistant_tokens_schedule="heuristic"``): after a round whose drafts were all accepted k grows by 2, after
   one with a rejection it shrinks by 1, within [1, the request's maximum].
+- :class:`DraftCost`: per round and row, the length with the most expected tokens per second: the drafter's
+  top-1 probabilities estimate acceptance, and the round's cost in k is fitted to this run's own timings.
 - :class:`DraftConfidence`: per round and row, from the drafter's own confidence: verify the leading draft tokens
   while the product of the drafter's top-1 probabilities stays at or above a threshold (at least one). A draft's
   top-1 probability is a calibrated estimate of its acceptance (measured on the demo pair, docs/performance), so
@@ -121,18 +123,21 @@ class DraftConfidence:
                              "use 'off' to verify a fixed number of draft tokens")
 
     @classmethod
-    def parse(cls, spec: "str | float | None") -> "DraftConfidence | None":
-        """``"0.4"`` -> DraftConfidence(0.4); ``"off"``, ``"0"``, ``None`` -> None.
+    def parse(cls, spec: "str | float | None") -> "DraftConfidence | DraftCost | None":
+        """``"0.4"`` -> DraftConfidence(0.4); ``"cost"`` -> a fresh :class:`DraftCost`; ``"off"``, ``"0"``, ``None``
+        -> None.
 
         Raises:
             ValueError: not a number in (0, 1] or "off".
         """
         if spec is None or str(spec).strip().lower() in ("off", "none", "0", "0.0"):
             return None
+        if str(spec).strip().lower() == "cost":
+            return DraftCost()
         try:
             value = float(spec)
         except ValueError:
-            raise ValueError(f"draft confidence: {spec!r} is not a threshold in (0, 1] or 'off'") from None
+            raise ValueError(f"draft confidence: {spec!r} is not a threshold in (0, 1], 'cost' or 'off'") from None
         return cls(value)
 
     def length(self, top1: np.ndarray) -> int:
@@ -145,6 +150,69 @@ class DraftConfidence:
         if top1.size == 0:
             return 0
         return max(1, int(np.count_nonzero(np.cumprod(top1) >= self.threshold)))
+
+
+@dataclasses.dataclass(eq=False)  # one fit per engine: hashed by identity
+class DraftCost:
+    """Verify the draft length that maximises expected tokens per second under the round cost measured in this run.
+
+    Expected tokens of a round that verifies k drafts: ``1 + sum_{i<=k} prod_{j<=i} p_j`` with ``p_j`` the drafter's
+    top-1 probabilities (the bonus token always comes; :class:`DraftConfidence` uses the same estimate). A round's
+    seconds: ``a + b k`` (draft call + verify block; the block's extra rows cost compute, docs/round-cost.md), fitted
+    by exponentially weighted least squares over the engine's recent single-row rounds (:meth:`observe`; ``decay``
+    per round, so the fit follows the context as it grows). Until two different k have been seen, b is taken as
+    ``prior_per_token`` x a (0.2: the verify block's extra row over the round at 512-1k on the 2-core CPUs,
+    docs/round-cost.md). k is chosen in 1..k_max per row and round.
+
+    Attributes:
+        decay: weight kept by past rounds per new round, in (0, 1).
+        prior_per_token: b / a before the fit has two distinct k.
+    """
+
+    decay: float = 0.95
+    prior_per_token: float = 0.2
+    threshold = None  # not a confidence cut (runtime.generate prints the policy by this)
+    _sums: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(5), repr=False)  # w, wk, wkk, wt, wkt
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay < 1.0 or self.prior_per_token < 0:
+            raise ValueError(f"draft cost: decay must be in (0, 1) and prior_per_token >= 0, got {self.decay}, "
+                             f"{self.prior_per_token}")
+
+    def observe(self, k: int, seconds: float) -> None:
+        """A single-row round that verified ``k`` draft tokens took ``seconds`` (draft + verify)."""
+        if k > 0 and seconds > 0:
+            self._sums *= self.decay
+            self._sums += (1.0, k, k * k, seconds, k * seconds)
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) seconds of the fitted ``a + b k``; None before any round was observed."""
+        w, wk, wkk, wt, wkt = self._sums
+        if w <= 0:
+            return None
+        var = wkk / w - (wk / w) ** 2
+        if var > 1e-3:  # two or more distinct k: least squares
+            b = (wkt / w - (wk / w) * (wt / w)) / var
+            a = wt / w - b * wk / w
+            if a > 0 and b >= 0:
+                return a, b
+        k_mean = wk / w
+        a = (wt / w) / (1.0 + self.prior_per_token * k_mean)
+        return a, self.prior_per_token * a
+
+    def length(self, top1: np.ndarray) -> int:
+        """Draft tokens to verify given the drafter's top-1 probabilities ``[k_max]`` (float, slot order): the k in
+        [1, k_max] with the most expected tokens per second (the longest when nothing was observed yet)."""
+        top1 = np.asarray(top1, np.float64)
+        if top1.size == 0:
+            return 0
+        ab = self.coefficients()
+        if ab is None:
+            return int(top1.size)
+        a, b = ab
+        ks = np.arange(1, top1.size + 1)
+        rate = (1.0 + np.cumsum(np.cumprod(top1))) / (a + b * ks)
+        return int(ks[int(np.argmax(rate))])
 
 
 def top1_probabilities(logits: np.ndarray, support: np.ndarray | None = None) -> np.ndarray:
@@ -177,7 +245,7 @@ class DraftLengthPolicy:
     Attributes:
         k_max: draft tokens the drafter drafts per round (K); 0 without a drafter.
         by_batch: k by the number of rows in a step; None = each row's default at any load.
-        confidence: the drafter-confidence cut (:class:`DraftConfidence`); None = a fixed k per round.
+        confidence: the per-round cut (:class:`DraftConfidence` or :class:`DraftCost`); None = a fixed k.
     """
 
     k_max: int
@@ -227,8 +295,9 @@ def click_option(default: str | None = None):
             raise click.BadParameter(str(e)) from None
 
     return click.option(
-        "--draft-confidence", default=default, show_default=default is not None, metavar="T|off",
+        "--draft-confidence", default=default, show_default=default is not None, metavar="T|cost|off",
         callback=to_policy,
         help="verify the leading draft tokens while the product of the drafter's top-1 probabilities stays >= T "
-             "(at least 1; up to the request's or the drafter's maximum); 'off': a fixed number per round "
+             "(at least 1; up to the request's or the drafter's maximum); 'cost': the length with the most expected "
+             "tokens per second under the round cost measured as it runs; 'off': a fixed number per round "
              "(runtime/draft_length.py)")

@@ -36,8 +36,8 @@ from runtime.backends import DrafterBackend, TargetBackend, check_backend
 from runtime.manifest import Manifest
 from runtime.metrics import SpecStats
 from runtime.modes import Backend, DrafterContext, Verification
-from runtime.draft_length import (AdaptiveDraftTokens, DraftConfidence, DraftLengthPolicy, DraftTokensByBatch,
-                                  top1_probabilities)
+from runtime.draft_length import (AdaptiveDraftTokens, DraftConfidence, DraftCost, DraftLengthPolicy,
+                                  DraftTokensByBatch, top1_probabilities)
 from runtime.prompt_lookup import NgramIndex, PromptLookup
 from runtime.sampling import RowSampler, SamplingParams, TokenLogprob, token_logprob
 from runtime.stops import StopChecker
@@ -128,7 +128,8 @@ class SpecEngine:
         draft_confidence: per round and row, verify the leading draft tokens while the product of the drafter's
             top-1 probabilities stays >= its threshold (runtime/draft_length.py); the ceiling is the request's
             num_draft_tokens, else ``draft_tokens_by_batch``, else the drafter's K (not ``default_draft_tokens``).
-            None = a fixed k per round.
+            A :class:`~runtime.draft_length.DraftCost` instead verifies the k with the most expected tokens per
+            second under the round cost it fits to this engine's single-row rounds. None = a fixed k per round.
         batch_invariant_seeds: draft each seeded sampled row in a drafter call of its own (:meth:`_draft_groups`),
             so that at a fixed k a seeded request emits the same tokens alone, as choice i of n, or beside other
             requests; False drafts every row in one call (one drafter call per round, whatever the seeds).
@@ -145,7 +146,7 @@ class SpecEngine:
                  check_invariants: bool = False, manifest: Manifest | None = None, engine_dir: Path | None = None,
                  proposable_vocab: int | None = None, default_draft_tokens: int | None = None,
                  draft_tokens_by_batch: DraftTokensByBatch | None = None, adaptive_draft_tokens: bool = False,
-                 prompt_lookup: PromptLookup | None = None, draft_confidence: DraftConfidence | None = None,
+                 prompt_lookup: PromptLookup | None = None, draft_confidence: DraftConfidence | DraftCost | None = None,
                  batch_invariant_seeds: bool = True, online_adapt=None,
                  post_verify: tuple[Callable[[list[list[int]]], None], ...] = ()):
         check_backend(target, TargetBackend)
@@ -425,6 +426,9 @@ class SpecEngine:
         logits, feats = self.target.forward([s.target_cache for s in seqs],
                                             [[s.out[-1], *d] for s, d in zip(seqs, proposal.drafts)])
         t2 = time.perf_counter()
+        observe = getattr(self._draft_length.confidence, "observe", None)  # DraftCost fits the round's cost in k
+        if observe is not None and len(seqs) == 1 and proposal.drafted == [0]:
+            observe(proposal.ks[0], t2 - t0)
         emitted = []
         for r, s in enumerate(seqs):
             emitted.append((s, self._commit(s, proposal, r, logits[r], feats[r])))
@@ -476,7 +480,7 @@ class SpecEngine:
                 proposal.qs[i] = q
 
     def _propose_drafter(self, rows: list[Sequence], group: list[int], proposal: "Proposal") -> None:
-        """One drafter call over ``rows`` (indices ``group``): their draft tokens and q, k cut by confidence."""
+        """One drafter call over ``rows`` (indices ``group``): their draft tokens and q, k cut by confidence or cost."""
         kind = self.drafter.context
         if kind == DrafterContext.TOKENS:  # PARD: committed token ids
             contexts = [np.asarray(s.prompt_ids + s.out[:-1], np.int64) for s in rows]

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from runtime.benchmarking import rotated_runs
-from runtime.draft_length import DEFAULT_CONFIDENCE
+from runtime.draft_length import DEFAULT_CONFIDENCE, DraftCost
 from runtime.draft_length import click_option as draft_confidence_option
 from runtime.ort_threads import apply as apply_thread_pool
 from runtime.ort_threads import click_option as thread_pool_option
@@ -109,7 +109,10 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
     m = engine.manifest
     qs = m.query_scale
     drafter_precision = m.graphs["drafter"].precision or "fp32"
-    verified = (f"up to {m.drafter.num_draft_tokens} draft tokens verified per round, cut where the "
+    verified = (f"up to {m.drafter.num_draft_tokens} draft tokens verified per round, the length with the most "
+                "expected tokens per second under the measured round cost"
+                if isinstance(draft_confidence, DraftCost) and engine.drafter is not None else
+                f"up to {m.drafter.num_draft_tokens} draft tokens verified per round, cut where the "
                 f"drafter's cumulative confidence falls below {draft_confidence.threshold}"
                 if draft_confidence is not None and engine.drafter is not None else
                 f"{engine.default_draft_tokens} of {m.drafter.num_draft_tokens} draft tokens verified per round")

@@ -8,7 +8,8 @@ checked against target-only greedy (lossless).
 
 Configurations (``--configs``): ``target-only``; ``fixed`` (the folder's ``verify_draft_tokens``); ``fixed:K``;
 ``conf:T`` (``--draft-confidence T``: up to the drafter's K verified, cut where the product of its top-1
-probabilities falls below T). ``--prompt-lookup`` applies to every speculative configuration (the served
+probabilities falls below T); ``conf:cost`` (the length with the most expected tokens per second under the round
+cost fitted as it runs, runtime/draft_length.py ``DraftCost``). ``--prompt-lookup`` applies to every speculative configuration (the served
 default 3:5:7; ``off`` for the drafter alone).
 
 Prompts: the held-out documents (training/corpus.py ``heldout_prompts``, as scripts/eval_mal.py: the ``--context``
@@ -29,6 +30,7 @@ import click
 
 from runtime.benchmarking import geomean_ratio, rotated
 from runtime.draft_length import DraftConfidence
+from runtime.ort_threads import click_option as thread_pool_option
 from runtime.prompt_lookup import DEFAULT_SPEC, PromptLookup
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 from training import corpus
@@ -88,12 +90,15 @@ def summarise(rows: list[dict], configs: list[str]) -> dict:
               help="timings are the median over repeats (each in a rotated order)")
 @click.option("--configs", default="target-only,fixed,conf:0.3,conf:0.4,conf:0.5", show_default=True)
 @prompt_lookup_option("prompt lookup for every speculative configuration", default=DEFAULT_SPEC)
+@thread_pool_option()
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(engine_dir: Path, context: int, chat: int, new_tokens: int, repeats: int, configs: str,
-         prompt_lookup: PromptLookup | None, json_out: Path | None):
+         prompt_lookup: PromptLookup | None, thread_pool: str, json_out: Path | None):
     from runtime.engine import SpecEngine
+    from runtime.ort_threads import apply
     from runtime.sampling import SamplingParams
 
+    apply(thread_pool)
     names = [c.strip() for c in configs.split(",") if c.strip()]
     try:
         settings = {c: parse_config(c) for c in names}

@@ -171,3 +171,46 @@ def test_prompt_logprobs_score_each_prompt_token_after_the_ones_before():
     for prev, lp in zip(prompt, out.prompt_logprobs):
         assert lp.logprob == pytest.approx(float(processed_logprobs(target.table[prev], params)[lp.token_id]))
         assert len(lp.top) == 1
+
+
+def test_draft_cost_fits_the_round_and_picks_the_fastest_length():
+    """DraftCost: a + b k fitted from observed rounds; the k maximising (1 + sum of cumulative top-1) / (a + b k)."""
+    from runtime.draft_length import DraftConfidence, DraftCost
+
+    cost = DraftCost()
+    top1 = np.array([0.9, 0.85, 0.7, 0.2, 0.1])
+    assert cost.coefficients() is None and cost.length(top1) == 5  # nothing observed: the ceiling
+    for _ in range(40):  # rounds at k = 1 and 3 on a machine where a round costs 10 ms + 2 ms per draft token
+        for k in (1, 3):
+            cost.observe(k, 0.010 + 0.002 * k)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+    expected = 1 + np.cumsum(np.cumprod(top1))
+    best = int(np.argmax(expected / (0.010 + 0.002 * np.arange(1, 6)))) + 1
+    assert cost.length(top1) == best == 3
+    assert cost.length(np.array([0.99] * 5)) == 5  # sure drafts: verify them all
+    cheap_verify_only = DraftCost()  # one k observed: b from the prior (0.2 a)
+    for _ in range(10):
+        cheap_verify_only.observe(2, 0.014)
+    a, b = cheap_verify_only.coefficients()
+    assert a == pytest.approx(0.014 / 1.4) and b == pytest.approx(0.2 * a)
+    assert cheap_verify_only.length(np.array([0.05, 0.9])) == 1  # a weak first draft: one token is enough
+    assert isinstance(DraftConfidence.parse("cost"), DraftCost) and DraftConfidence.parse("cost") is not \
+        DraftConfidence.parse("cost")
+    with pytest.raises(ValueError, match="'cost' or 'off'"):
+        DraftConfidence.parse("fast")
+    with pytest.raises(ValueError, match="decay"):
+        DraftCost(decay=1.0)
+
+
+def test_draft_cost_in_the_loop_is_lossless_and_observes_rounds(tiny_engines):
+    """The engine feeds DraftCost its single-row rounds; output equals target-only greedy."""
+    from runtime.draft_length import DraftCost
+
+    cost = DraftCost()
+    eng = SpecEngine.from_dir(tiny_engines, draft_confidence=cost)
+    ids = eng.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return")
+    spec = eng.generate(ids, 24)
+    assert spec.token_ids == eng.generate_target_only(ids, 24).token_ids
+    assert cost.coefficients() is not None and cost._sums[0] > 0
+    assert spec.stats.rounds >= 1 and 1 <= spec.stats.mean_accepted_length <= eng.drafter.num_draft_tokens + 1
