@@ -73,13 +73,13 @@ def session_options(threads: int | None = None, role: str | None = None):
 
     global _sessions_made
     so = ort.SessionOptions()
-    so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
-    if _shared_threads is not None:
+    if _shared_threads is not None:  # no thread counts: ONNX Runtime warns that a shared pool ignores them
         so.use_per_session_threads = False
         return so
     _sessions_made += 1
+    so.inter_op_num_threads = 1
     env = os.environ.get
     tag = f"SHARPDRAFT_{role.upper()}_" if role else ""
     defaults = ROLE_DEFAULTS.get(role or "", {"spin": "0", "threads": None})

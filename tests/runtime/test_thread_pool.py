@@ -68,6 +68,7 @@ def test_generate_cli_runs_on_the_shared_pool(tiny_int4_engines, tmp_path):
                        env={**os.environ, "SHARPDRAFT_ORT_THREAD_POOL": "shared"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(out.read_text())["lossless"] is True
+    assert "shared pool of" in r.stdout and "global thread pool" not in r.stderr  # no ORT warning per session
     bad = subprocess.run([sys.executable, "-m", "runtime.generate", "--engine", str(tiny_int4_engines),
                           "--thread-pool", "global"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "--thread-pool" in bad.stderr
