@@ -171,7 +171,6 @@ class DraftCost:
 
     decay: float = 0.95
     prior_per_token: float = 0.2
-    threshold = None  # not a confidence cut (runtime.generate prints the policy by this)
     _sums: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(5), repr=False)  # w, wk, wkk, wt, wkt
 
     def __post_init__(self) -> None:

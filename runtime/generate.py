@@ -21,6 +21,7 @@ from runtime.draft_length import DEFAULT_CONFIDENCE, DraftCost
 from runtime.draft_length import click_option as draft_confidence_option
 from runtime.ort_threads import apply as apply_thread_pool
 from runtime.ort_threads import click_option as thread_pool_option
+from runtime.ort_threads import shared_thread_pool
 from runtime.prompt_lookup import DEFAULT_SPEC as PROMPT_LOOKUP_DEFAULT
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 
@@ -116,8 +117,6 @@ def main(engine_dir, prompt, raw, max_new_tokens, device, backend, temperature, 
                 f"drafter's cumulative confidence falls below {draft_confidence.threshold}"
                 if draft_confidence is not None and engine.drafter is not None else
                 f"{engine.default_draft_tokens} of {m.drafter.num_draft_tokens} draft tokens verified per round")
-    from runtime.ort_threads import shared_thread_pool
-
     pool = shared_thread_pool()
     threads = (f" (ONNX Runtime: one shared pool of {pool} threads)" if pool else
                " (ONNX Runtime: a pool per session)" if backend == "onnxruntime" else "")

@@ -32,7 +32,7 @@ from runtime.draft_vocab import expand_logits, load_draft_vocab
 from runtime.manifest import GraphEntry, Manifest
 from runtime.modes import DrafterContext, KvIo, Verification
 from runtime.ragged import attention_mask, dflash_block, positions, rows_after_past
-from runtime.ort_threads import ROLE_DEFAULTS, session_options  # noqa: F401 - re-exported
+from runtime.ort_threads import session_options  # noqa: F401 - re-exported (scripts, tests)
 from runtime.shared_tables import load_shared_table
 
 

@@ -4,8 +4,8 @@ Target and drafter sessions take turns on the same cores. With a pool per sessio
 target's pool spins after its run, so the drafter gets one thread (:data:`ROLE_DEFAULTS`); with
 :func:`use_shared_thread_pool` both run on one process-wide pool (ONNX Runtime's global thread pool), so the draft
 uses every core while the target is idle and no pool spins against another (measured on the 2-core Intel
-AVX-512 machine, docs/round-cost.md: draft 18.2 -> 12.9 ms per round at 4k, speculative 1.28x -> 1.44x the
-1-token path; the target's own steps unchanged).
+AVX-512 machine, docs/round-cost.md: draft 16.8 -> 11.4 ms per round at 4k, speculative 1.33x -> 1.40x the
+1-token path at k = 2; the target's own steps unchanged).
 
 ONNX Runtime's global pool is process-wide and fixed when its environment is created (the first session of the
 process): sizes given later are silently ignored, and once it exists every session must opt out of a pool of

@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 
 from runtime.benchmarking import geomean_ratio
-from runtime.draft_length import DraftConfidence
+from runtime.draft_length import DraftConfidence, DraftCost
 from runtime.draft_length import click_option as draft_confidence_option
 from runtime.engine import SpecEngine
 from runtime.prompt_lookup import PromptLookup
@@ -90,8 +90,8 @@ def main(engine_dir: Path, context: int, new_tokens: int, chat: int, temperature
                "draft_tokens": draft_tokens if draft_tokens is not None else engine.default_draft_tokens,
                "query_scale": engine.manifest.to_dict()["query_scale"],
                "prompt_lookup": dataclasses.asdict(engine.prompt_lookup) if engine.prompt_lookup else None,
-               "draft_confidence": (None if draft_confidence is None else
-                                    draft_confidence.threshold or "cost"),
+               "draft_confidence": ("cost" if isinstance(draft_confidence, DraftCost) else
+                                    draft_confidence.threshold if draft_confidence else None),
                "mal_documents": round(statistics.mean(r["mal"] for r in doc_rows), 4),
                "mal_by_kind": mean_by_kind(rows, "mal"),
                "mal_all": round(statistics.mean(r["mal"] for r in rows), 4),

@@ -185,12 +185,11 @@ def table(result: dict) -> str:
             lines.append(f"| {ctx} | {name} | {s['step_ms']:.2f} | {s['ort_ms']:.2f} | {s['runtime_ms']:.2f} | "
                          f"{s.get('draft_ms', '')} | {s.get('verify_ms', '')} | {s.get('mal', '')} | "
                          f"{s.get('break_even_mal', '')} | {s['decode_tokens_per_s']} | {s['x_1token']:.3f} |")
+    qs = list(next(iter(result["block_prices"].values())))
     lines += ["", "Target graph alone, one call of q rows (ms, and x the q = 1 call):", "",
-              "| context | " + " | ".join(f"q = {q}" for q in next(iter(result["block_prices"].values()))) + " |",
-              "|---" * (1 + len(next(iter(result["block_prices"].values())))) + "|"]
+              "| context | " + " | ".join(f"q = {q}" for q in qs) + " |", "|---" * (1 + len(qs)) + "|"]
     for ctx, prices in result["block_prices"].items():
-        one = prices["1"] if "1" in prices else prices[1]
-        lines.append(f"| {ctx} | " + " | ".join(f"{v:.2f} ({v / one:.2f}x)" for v in prices.values()) + " |")
+        lines.append(f"| {ctx} | " + " | ".join(f"{v:.2f} ({v / prices[1]:.2f}x)" for v in prices.values()) + " |")
     return "\n".join(lines)
 
 
