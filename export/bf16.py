@@ -14,7 +14,7 @@ layer norms load), so a bf16 graph cannot run on the machine that exports it. Th
    fp32, so the stored bf16 weights and the graph's wiring are validated on CPU with the export's usual checks.
    Activation rounding to bf16 (8 significant bits) is not emulated; the manifest says so.
 
-The sharpdraft runtime refuses bf16 engines folders on ONNX Runtime (runtime/ort_engines.py), since its KV buffers
+The sharpdraft runtime refuses bf16 engines folders on ONNX Runtime (runtime/backends/ort.py), since its KV buffers
 are numpy arrays and numpy has no bf16 type; the folder is for TensorRT / CUDA consumers.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ embedding (``GatherBlockQuantized``). fp16 targets are the builder's half-precis
 (``-e cuda``: the same fused ``GroupQueryAttention`` and shared past/present buffer, float16 inputs, outputs and KV
 cache), the form an ORT GenAI user of a GPU would build, which ONNX Runtime's CPU provider also runs; bf16 is the
 same graph in bfloat16, which it does not run (export/bf16.py: validated by emulation, for CUDA / TensorRT
-consumers). sharpdraft drives that graph itself (runtime/ort_engines.py, kv_io "shared"); the
+consumers). sharpdraft drives that graph itself (runtime/backends/ort.py, kv_io "shared"); the
 builder's ``genai_config.json`` is kept, so ``target/`` also loads in ``onnxruntime_genai.Model``.
 
 Graph contract (kv_io "shared"):
@@ -44,7 +44,7 @@ log = logging.getLogger("sharpdraft.export")
 BUILDER_PRECISIONS = ("int4", "int8", "fp16", "bf16")
 HALF_PRECISIONS = ("fp16", "bf16")  # bf16: written for CUDA / TensorRT, validated by emulation (export/bf16.py)
 # Graphs whose 1-token step must take the block path for speculative output to equal target-only output bit for bit
-# (runtime/ort_engines.py OrtTarget.min_q): int4 / int8 at accuracy_level 4 (below), and fp16 by construction: a
+# (runtime/backends/ort.py OrtTarget.min_q): int4 / int8 at accuracy_level 4 (below), and fp16 by construction: a
 # 1-row and a multi-row float16 product may accumulate in another order (SmolLM2 at fp16 on this CPU gave equal
 # greedy ids for 4 prompts x 200 tokens either way, which is evidence, not a guarantee; docs/quantized-target.md).
 MIN_Q_LEN = {"fp16": 2, "bf16": 2}
@@ -179,7 +179,7 @@ def graph_io(path: Path, num_layers: int, taps: bool, precision: str, accuracy_l
 
 
 def find_shared_weights(target_onnx: Path) -> dict:
-    """Embedding and LM head of a builder graph, as specs the runtime dequantizes (runtime/ort_engines.py).
+    """Embedding and LM head of a builder graph, as specs the runtime dequantizes (runtime/backends/ort.py).
 
     The int4/int8 tables are ``GatherBlockQuantized`` (embedding on ``input_ids``) and the ``MatMulNBits`` that
     produces ``logits``; their nodes are recorded with their initializer inputs and attributes, so the runtime

@@ -325,8 +325,8 @@ def run_export(cfg: ExportConfig) -> dict:
                                              lm_head, draft_ids)
         fused = None  # checked against the fp32 drafter graph, so before it is quantized
         if cfg.fused_attention:
-            fused = _fused_drafter(scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed, lm_head,
-                                   validation)
+            fused = _fused_drafter(fam, scratch / "frozen.onnx", tmp, drafter_io, drafter.config, profile, embed,
+                                   lm_head, validation)
         entry, num_keys = fam.manifest_entry(ckpt, drafter, k), fam.num_keys_text(drafter)
         del drafter, embed, lm_head  # the torch drafter's part is done: the conversion below holds two graphs of it
         gc.collect()
@@ -550,11 +550,11 @@ def _build_quantized_target(cfg: ExportConfig, target_config, taps: list[int], o
     return io
 
 
-def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, embed, lm_head,
+def _fused_drafter(spec, frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, embed, lm_head,
                    validation: dict) -> dict:
-    """Write and validate ``drafter_fused/model.onnx`` (TensorRT form; the ORT runtime keeps ``model.onnx``)."""
+    """Write and validate ``drafter_fused/model.onnx`` (TensorRT form; the ORT runtime keeps ``model.onnx``);
+    ``spec``: the family object, whose ``validate_fused`` checks it."""
     from export.fuse import PLUGIN_NAME, FusionError, fuse_file, fused_windows
-    from export.validate import validate_fused_drafter
 
     path = tmp / "drafter_fused" / "model.onnx"
     try:
@@ -563,8 +563,8 @@ def _fused_drafter(frozen: Path, tmp: Path, drafter_io: dict, dcfg, profile, emb
         raise ExportError(f"--fused-attention: {e}") from e
     io = {"inputs": [i for i in drafter_io["inputs"] if i != "query_scale_enabled"], "outputs": drafter_io["outputs"]}
     try:
-        validation["drafter_fused"] = validate_fused_drafter(path, tmp / "drafter" / "model.onnx", drafter_io, dcfg,
-                                                             profile, embed.numpy(), lm_head.numpy())
+        validation["drafter_fused"] = spec.validate_fused(path, tmp / "drafter" / "model.onnx", drafter_io, dcfg,
+                                                          profile, embed.numpy(), lm_head.numpy())
     except ImportError as e:
         raise ExportError(f"--fused-attention validation needs onnxruntime-extensions ({e}); "
                           "pip install onnxruntime-extensions") from e

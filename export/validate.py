@@ -1,10 +1,10 @@
 """Validate exported graphs: ONNX Runtime output vs the torch modules they came from.
 
-Here: the target graphs (fp32 against transformers; a builder graph against itself and its taps) and the fused
-drafter graph against the portable one. Each family's drafter graph is checked by its own ``validate.py``
-(export/families/<family>/) at several visible-key counts N (below, at and far above ref_keys) against the torch
+Here: the target graphs (fp32 against transformers; a builder graph against itself and its taps). Each family's
+drafter graph is checked by its own ``validate.py`` (export/families/<family>/) at several visible-key counts N (below, at and far above ref_keys) against the torch
 drafter run with beta(N) from plugins/rule.py: this is what proves beta is computed in-graph from the KV length (a
-constant folded at export would match at most one N). The tolerances and comparisons all share are in
+constant folded at export would match at most one N); the fused drafter graph (``--fused-attention``) is checked
+against the portable one by its family too (``validate_fused``). The tolerances and comparisons all share are in
 export/checks.py (re-exported here).
 """
 from __future__ import annotations
@@ -17,8 +17,6 @@ import torch
 from export import checks
 from export.checks import (DRAFTER_ATOL, DRAFTER_KEYS_AT_BASE, DRAFTER_RTOL, ROPE_ULP, TARGET_ATOL,  # noqa: F401
                            ValidationError, drafter_bound, max_abs_diff, within)
-from plugins.rule import QueryScaleProfile
-from runtime.ragged import dflash_block
 
 @torch.no_grad()
 def target_reference(model, tap_ids: list[int], static: bool, seed: int = 0) -> dict:
@@ -142,7 +140,7 @@ def check_shared_target(reference: dict, tap_ids: list[int], path: Path, io: dic
     Raises:
         ValidationError: any check above fails.
     """
-    from runtime.ort_engines import run_shared
+    from runtime.backends.ort import run_shared
 
     sess = checks.session(path)
     n_layers, kvh, hd = reference["num_layers"], reference["kv_heads"], reference["head_dim"]
@@ -215,67 +213,3 @@ def check_shared_target(reference: dict, tap_ids: list[int], path: Path, io: dic
     if problems:
         raise ValidationError(f"quantized target graph {path}: " + "; ".join(problems))
     return result
-
-
-def validate_fused_drafter(fused: Path, portable: Path, io: dict, cfg, profile: QueryScaleProfile,
-                           embed: np.ndarray, lm_head: np.ndarray, seed: int = 0) -> dict:
-    """Check the fused drafter graph (``sharpdraft::QueryScaledAttention`` nodes, export/fuse.py) against the
-    portable one (beta subgraph + ``Mul`` on Q, already validated against torch) on identical inputs.
-
-    The fused node runs as an ONNX Runtime Python op calling the torch reference (plugins/ort_op.py). Calls: one row
-    at N = 100 and one at N = 4 ref, then one ragged batch with rows at N = 4 ref and ref - 1 (row 2's cache is
-    right-padded: a hole in its key mask). ``beta_effect_on_logits`` (portable graph with the scale on vs off) shows
-    that the comparison would see a wrong beta.
-
-    Returns:
-        ``{"atol", "rtol", "points": [{num_keys, max_abs_diff_logits, beta_effect_on_logits, bound}]}``.
-    Raises:
-        ValidationError: a point exceeds :func:`drafter_bound`.
-        ImportError: onnxruntime-extensions is not installed.
-    """
-    from plugins.ort_op import session as fused_session
-
-    rng = np.random.default_rng(seed)
-    sess_fused, sess_port = fused_session(fused), checks.session(portable)
-    blk, ctx = cfg.block_size, 3
-    f = len(cfg.target_layer_ids) * cfg.hidden_size
-    past_names = [n for n in io["inputs"] if n.startswith("past_")]
-    fused_inputs = {i.name for i in sess_fused.get_inputs()}
-
-    def feed(n_keys: list[int]) -> dict:
-        lens = [n - ctx - blk for n in n_keys]
-        l_max, b = max(lens), len(n_keys)
-        ids = np.full((b, blk), cfg.mask_token_id, np.int64)
-        ids[:, 0] = rng.integers(0, cfg.vocab_size, b)
-        pos, mask = dflash_block(lens, [ctx] * b, l_max, blk)
-        out = {"input_ids": ids, "target_hidden": rng.standard_normal((b, ctx, f), np.float32) * 3,
-               "position_ids": pos, "attention_mask": mask, "embed_weight": embed, "lm_head_weight": lm_head,
-               "draft_slots": np.arange(1, blk, dtype=np.int64)}
-        for name in past_names:
-            buf = rng.standard_normal((b, cfg.num_key_value_heads, l_max, cfg.head_dim), np.float32)
-            out[name] = buf * mask[:, None, :l_max, None].astype(np.float32)
-        return out
-
-    points = []
-    for n_keys in ([100], [4 * profile.ref_keys], [4 * profile.ref_keys, max(profile.ref_keys - 1, ctx + blk + 1)]):
-        x = feed(n_keys)
-        port_in = {k: v for k, v in x.items()}
-        has_switch = "query_scale_enabled" in io["inputs"]
-        if has_switch:
-            port_in["query_scale_enabled"] = np.ones(len(n_keys), np.float32)
-        (want,) = sess_port.run(["logits"], port_in)
-        (got,) = sess_fused.run(["logits"], {k: v for k, v in x.items() if k in fused_inputs})
-        effect = None
-        if has_switch:
-            (frozen,) = sess_port.run(["logits"], {**port_in, "query_scale_enabled": np.zeros(len(n_keys), np.float32)})
-            effect = float(np.abs(want - frozen).max())
-        diff = max_abs_diff(got, want, f"fused drafter graph {fused} logits at N={n_keys}")
-        bound = drafter_bound(want, n_keys)
-        if not within(diff, bound):
-            raise ValidationError(f"fused drafter graph {fused} disagrees with the portable graph at N={n_keys}: "
-                                  f"max abs logit diff {diff:.3g} > {bound:.3g}")
-        points.append({"num_keys": n_keys, "max_abs_diff_logits": diff, "beta_effect_on_logits": effect,
-                       "bound": bound})
-    return {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points}
-
-

@@ -214,6 +214,9 @@ def run(family: Family, out: Path, checkpoint: Path | None = None, target: Path 
         cap: float | None = None) -> Path:
     """Write ``out``; returns it. Raises VllmExportError with the one line to show."""
     family = Family.parse(family)
+    if family not in ARCHITECTURES:  # a family sharpdraft knows but has no vLLM class for (module docstring)
+        raise VllmExportError(f"{family.value} drafters have no vLLM export: vLLM 0.32 runs "
+                              f"{', '.join(f.value for f in ARCHITECTURES)}")
     ckpt = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINTS[family]
     if not (ckpt / "config.json").is_file():
         raise VllmExportError(f"--checkpoint {ckpt}: no config.json")
@@ -241,8 +244,10 @@ def run(family: Family, out: Path, checkpoint: Path | None = None, target: Path 
         export_eagle3_speculators(ckpt, target, out, profile=profile)
     elif family is Family.EAGLE3:
         export_eagle3(ckpt, target, out, arch=arch, profile=profile)
-    else:
+    elif family is Family.PARD:
         export_pard(ckpt, target, out, mask_id=mask_id, arch=arch, profile=profile)
+    else:  # ARCHITECTURES names a family this dispatch does not: a new family's writer is missing here
+        raise VllmExportError(f"{family.value}: no vLLM checkpoint writer in export/vllm_export.py")
     tok = target / "tokenizer.json"
     if tok.is_file():  # vLLM reads a tokenizer from the draft folder for some checks; keep the target's beside it
         for f in ("tokenizer.json", "tokenizer_config.json"):

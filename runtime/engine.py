@@ -17,8 +17,8 @@ over rows of different lengths and different draft counts; a row that finishes l
 dropped at once. Rows whose next block would pass the drafter's max positions (or that asked for no speculation)
 decode target-only in the same batched call (k = 0), still exact.
 
-Backends: runtime/backends.py's ``TargetBackend`` and ``DrafterBackend`` Protocols (runtime/ort_engines.py,
-runtime/torch_engines.py, tests/runtime/scripted.py). A drafter's ``context`` says what it reads: target features
+Backends: runtime/backends/protocols.py's ``TargetBackend`` and ``DrafterBackend`` Protocols (runtime/backends/ort.py,
+runtime/backends/pytorch.py, tests/runtime/scripted.py). A drafter's ``context`` says what it reads: target features
 (DFlash), each row's committed token ids before x_s (PARD), or both (EAGLE-3).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from runtime.backends import DrafterBackend, TargetBackend, check_backend
+from runtime.backends.protocols import DrafterBackend, TargetBackend, check_backend
 from runtime.manifest import Manifest
 from runtime.metrics import SpecStats
 from runtime.modes import Backend, DrafterContext, Verification
@@ -215,7 +215,7 @@ class SpecEngine:
 
         ``backend``: "onnxruntime" runs the folder's ONNX graphs; "torch" rebuilds the pair in PyTorch from the
         sources the manifest recorded (target, drafter checkpoint, taps, query-scale profile; the drafter's
-        attention on the fused op, runtime/torch_engines.py) and uses the folder's tokenizer. The torch backend
+        attention on the fused op, runtime/backends/pytorch.py) and uses the folder's tokenizer. The torch backend
         does not read the graphs, so it skips their checksums; ``threads`` (or ``$SHARPDRAFT_THREADS``) sets
         torch's process-wide intra-op threads. ``options``: the constructor's keyword options (draft length,
         prompt lookup, verification, online adaptation, ...); ``default_draft_tokens`` defaults to the manifest's
@@ -233,7 +233,7 @@ class SpecEngine:
         onnx = backend == Backend.ONNXRUNTIME
         manifest = load_manifest(engine_dir, verify_checksums=verify_checksums and onnx, require_graphs=onnx)
         if backend == Backend.TORCH:
-            from runtime.torch_engines import torch_pair_from_manifest
+            from runtime.backends.pytorch import torch_pair_from_manifest
 
             threads = threads or int(os.environ.get("SHARPDRAFT_THREADS", 0))
             if threads:  # process-wide: torch has one intra-op pool
@@ -242,7 +242,7 @@ class SpecEngine:
                 torch.set_num_threads(threads)
             target, drafter = torch_pair_from_manifest(manifest, device, base_dir=engine_dir)
         else:
-            from runtime.ort_engines import OrtTarget, ort_drafter_class
+            from runtime.backends.ort import OrtTarget, ort_drafter_class
 
             target = OrtTarget(engine_dir, manifest, device, threads)
             drafter = ort_drafter_class(manifest.drafter.family)(engine_dir, manifest, device, threads)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.modes import AttentionImpl
-from runtime.torch_engines import BlockInputs, TorchDFlashDrafter
+from runtime.backends.pytorch import BlockInputs, TorchDFlashDrafter
 
 MODES = ("lora", "full")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,7 +65,7 @@ class _Example:
 
 
 class OnlineAdapter:
-    """Adapts a :class:`runtime.torch_engines.TorchDFlashDrafter`'s module in place (module docstring).
+    """Adapts a :class:`runtime.backends.pytorch.TorchDFlashDrafter`'s module in place (module docstring).
 
     Raises:
         ImportError: ``mode="lora"`` without the ``peft`` package (``pip install peft``).

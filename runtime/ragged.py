@@ -23,7 +23,7 @@ DFlash's block drafting adds a third segment (:func:`dflash_block`): past | new 
     position_ids   = [[2, 3, 3, 4],        [0, 1, 2, 3]]        # ctx slots (c_max = 2) | block
     attention_mask = [[1, 1, 1, 0, 1, 1],  [0, 0, 1, 1, 1, 1]]  # past | ctx | block
 
-Used by the ONNX Runtime and torch backends (runtime/ort_engines.py, runtime/torch_engines.py) and by export
+Used by the ONNX Runtime and torch backends (runtime/backends/ort.py, runtime/backends/pytorch.py) and by export
 validation (export/validate.py). numpy int64 throughout; torch callers wrap with ``torch.from_numpy``.
 """
 from __future__ import annotations

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pair(engine_dir: Path, manifest, threads: int, spin: str):
-    from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
+    from runtime.backends.ort import OrtDFlashDrafter, OrtTarget
 
     from unittest import mock
 
@@ -105,7 +105,7 @@ def time_int8_drafter(engine_dir: Path, manifest, ids: list[int], positions: int
     """
     import shutil
 
-    from runtime.ort_engines import OrtDFlashDrafter, OrtTarget
+    from runtime.backends.ort import OrtDFlashDrafter, OrtTarget
 
     q_dir = work / f"{method}-engines"
     shutil.rmtree(q_dir, ignore_errors=True)
@@ -149,7 +149,7 @@ def time_int8_drafter(engine_dir: Path, manifest, ids: list[int], positions: int
 def time_prefill(engine_dir: Path, manifest, ids: list[int], chunks: list[int], threads: int | None,
                  rounds: int) -> dict:
     """Median prefill seconds of ``ids`` per chunk size (0 = the whole prompt in one call)."""
-    from runtime.ort_engines import OrtTarget
+    from runtime.backends.ort import OrtTarget
 
     target = OrtTarget(engine_dir, manifest, "cpu", threads)
     times = {c: [] for c in chunks}
@@ -167,10 +167,10 @@ def time_kv_forms(folders: dict[str, Path], contexts: list[int], k: int, rounds:
     call (2 new context rows) per drafter graph form, at each context length, with the part spent inside ONNX
     Runtime. Caches hold random K/V (timing does not depend on values)."""
     from runtime.manifest import load_manifest
-    from runtime.ort_engines import OrtTarget
+    from runtime.backends.ort import OrtTarget
 
     from runtime.kv_cache import StaticKVCache
-    from runtime.ort_engines import OrtDFlashDrafter, ort_drafter_class
+    from runtime.backends.ort import OrtDFlashDrafter, ort_drafter_class
 
     manifests = {name: load_manifest(d) for name, d in folders.items()}
     targets = {name: OrtTarget(d, manifests[name], "cpu", None) for name, d in folders.items()}

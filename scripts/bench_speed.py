@@ -103,7 +103,7 @@ def query_scale_overhead(engine, ids: list[int], reps: int, threads: int | None 
     import onnxruntime as ort
 
     from export.rewrite import remove_query_scale
-    from runtime.ort_engines import providers, session_options
+    from runtime.backends.ort import providers, session_options
 
     drafter, m = engine.drafter, engine.manifest.to_dict()
     graph = ir.load(engine.engine_dir / m["graphs"]["drafter"]["file"])

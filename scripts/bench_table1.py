@@ -233,10 +233,10 @@ def _engine_spec(spec: str, option: str) -> tuple[str, Path]:
 
 
 def _check_torch_folder(path: Path) -> None:
-    """Refuse, before any row runs, a folder the torch-backend rows cannot rebuild (runtime/torch_engines.py's own
+    """Refuse, before any row runs, a folder the torch-backend rows cannot rebuild (runtime/backends/pytorch.py's own
     check: a DFlash drafter and an fp32 target). Raises click.BadParameter naming --online-engine."""
     from runtime.manifest import EngineDirError, load_manifest
-    from runtime.torch_engines import check_torch_backend
+    from runtime.backends.pytorch import check_torch_backend
 
     try:
         check_torch_backend(load_manifest(path, verify_checksums=False, require_graphs=False))

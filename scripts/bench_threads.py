@@ -8,7 +8,7 @@ outlives its session's last run, so settings must not share a process), on held-
 rotated ``--rounds`` times. Reported per setting: decode tokens/s of both (median over rounds), MAL, and that every
 speculative output equals target-only.
 
-Settings (``runtime/ort_engines.py session_options``; the environment variables it reads):
+Settings (``runtime/backends/ort.py session_options``; the environment variables it reads):
 - ``default``: the runtime's defaults (target spins, drafter on 1 thread without spinning);
 - ``no-spin``: spinning off everywhere, both sessions on all cores (the defaults before 2026-12-02);
 - ``drafter-all-cores``: the target spins, the drafter on all cores without spinning;

@@ -110,7 +110,7 @@ def profiled_breakdown(engine, engine_dir: Path, ids: list[int], new_tokens: int
     1-token steps."""
     import onnxruntime as ort
 
-    from runtime.ort_engines import session_options
+    from runtime.backends.ort import session_options
     from runtime.sampling import SamplingParams
 
     def profiling(role: str, tag: str):

@@ -229,7 +229,7 @@ def block_hidden(d: DFlashDrafter, rec: dict, anchors: torch.Tensor, embed: torc
     tokens at positions a .. a + B - 1 and sees the context features of positions 0 .. a - 1: the same
     computation as one inference draft step (:meth:`DFlashDrafter.forward`) with those features as context.
     """
-    from runtime.models.dflash import rope_cos_sin
+    from runtime.models.layers import rope_cos_sin
 
     cfg = d.config
     taps, ids = rec["taps"].float(), rec["ids"].long()

@@ -40,7 +40,7 @@ import click
 import numpy as np
 import torch
 
-from runtime.ort_engines import OrtTarget, bind_shared, run_shared
+from runtime.backends.ort import OrtTarget, bind_shared, run_shared
 from training import shards
 from training.corpus import documents, instruction_conversations
 from training.shards import read_token_shard, write_token_shard

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.models.dflash import rope_cos_sin
+from runtime.models.layers import rope_cos_sin
 from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3, save_eagle3
 from training import shards
 from training.autocast import cpu_autocast

@@ -100,8 +100,10 @@ def drafter_config(target_config, num_layers: int = 2):
     return LlamaConfig(**d)
 
 
-class PardDrafter(nn.Module):
-    """HF Llama decoder layers + final norm + ``mask_embedding``; the embedding / LM head table is passed in.
+class PardTrainingModel(nn.Module):
+    """The PARD drafter as training builds it: HF Llama decoder layers + final norm + ``mask_embedding``; the
+    embedding / LM head table is passed in. Saved as a PARD checkpoint that :func:`runtime.models.pard.load_pard`
+    loads into the runtime's :class:`runtime.models.pard.PardDrafter`.
 
     State-dict keys are the HF ones (``model.layers.{i}.*``, ``model.norm.weight``) plus ``mask_embedding``.
     """
@@ -137,7 +139,7 @@ class PardDrafter(nn.Module):
         return self.model.norm(h)
 
 
-def init_from_target(d: PardDrafter, target, layer_ids: list[int]) -> None:
+def init_from_target(d: PardTrainingModel, target, layer_ids: list[int]) -> None:
     with torch.no_grad():
         tl = target.model.layers
         for layer, src in zip(d.model.layers, [tl[i] for i in layer_ids]):
@@ -147,7 +149,7 @@ def init_from_target(d: PardDrafter, target, layer_ids: list[int]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- loss
-def pard_forward(d: PardDrafter, ids: torch.Tensor, labels: torch.Tensor, depth: torch.Tensor, table: torch.Tensor,
+def pard_forward(d: PardTrainingModel, ids: torch.Tensor, labels: torch.Tensor, depth: torch.Tensor, table: torch.Tensor,
                  lm_head: torch.Tensor) -> dict:
     """One dense masked forward of (real copy + kept mask copies) of one sequence.
 
@@ -230,7 +232,7 @@ def rec_labels(rec: dict, mode: str) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- validation
 @torch.no_grad()
-def validate_recs(d: PardDrafter, recs: list[dict], table, lm_head, labels_mode: str = "argmax",
+def validate_recs(d: PardTrainingModel, recs: list[dict], table, lm_head, labels_mode: str = "argmax",
                   anchors_per_seq: int = 48, seed: int = 1) -> dict:
     """Teacher-forced validation: per sequence, ``anchors_per_seq`` random anchors get all K-1 mask copies.
 
@@ -340,7 +342,7 @@ def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: st
     t_start = time.time()
     if ckpt_path.exists():
         ck = torch.load(ckpt_path)
-        d = PardDrafter(cfg)
+        d = PardTrainingModel(cfg)
         d.load_state_dict(ck["model"])
         state = ck["state"]
         opt = new_opt(d)
@@ -357,7 +359,7 @@ def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: st
             d = load_pard_folder(init_from)
             best = (None, f"checkpoint {init_from}", d, new_opt(d), base)
         for m in modes:
-            cand = PardDrafter(cfg)
+            cand = PardTrainingModel(cfg)
             init_from_target(cand, target, choices[m])
             st = json.loads(json.dumps(base))
             o = new_opt(cand)
@@ -416,7 +418,7 @@ def train(work: Path, src: Path, minutes: float, init_mode: str, labels_mode: st
     print(f"done: step {state['step']}, {state['seconds']:.0f}s trained", flush=True)
 
 
-def _safetensors_dict(d: PardDrafter) -> dict[str, torch.Tensor]:
+def _safetensors_dict(d: PardTrainingModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in d.state_dict().items()}
 
 
@@ -430,15 +432,15 @@ def drafter_config_json(cfg, ref_keys: int = SEQ_LEN) -> dict:
     return c
 
 
-def load_pard_folder(path: Path) -> PardDrafter:
-    """Load a saved drafter folder (config.json + model.safetensors) into a float32 :class:`PardDrafter`."""
+def load_pard_folder(path: Path) -> PardTrainingModel:
+    """Load a saved drafter folder (config.json + model.safetensors) into a float32 :class:`PardTrainingModel`."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
     c = json.loads((path / "config.json").read_text())
     extra = {k: c.pop(k) for k in ("pard_token", "spd_type", "sharpdraft_embeddings", "sharpdraft_query_scale")}
     assert extra["pard_token"] == c["vocab_size"], extra
-    d = PardDrafter(LlamaConfig(**c))
+    d = PardTrainingModel(LlamaConfig(**c))
     d.load_state_dict({k: v.float() for k, v in load_file(path / "model.safetensors").items()}, strict=True)
     return d
 
@@ -450,7 +452,7 @@ def save(work: Path, out: Path):
 
     ck = torch.load(work / "ckpt.pt")
     cfg = LlamaConfig(**{k: v for k, v in ck["config"].items() if not k.startswith("_")})
-    d = PardDrafter(cfg)
+    d = PardTrainingModel(cfg)
     d.load_state_dict(ck["model"])
     out.mkdir(parents=True, exist_ok=True)
     tensors = _safetensors_dict(d)
@@ -476,7 +478,7 @@ def validate_checkpoint(work: Path, src: Path, drafter: Path | None, max_seqs: i
     _, val_recs = load_sequences(work, src)
     if drafter is None:
         ck = torch.load(work / "ckpt.pt")
-        d = PardDrafter(LlamaConfig(**{k: v for k, v in ck["config"].items() if not k.startswith("_")}))
+        d = PardTrainingModel(LlamaConfig(**{k: v for k, v in ck["config"].items() if not k.startswith("_")}))
         d.load_state_dict(ck["model"])
     else:
         d = load_pard_folder(drafter)

@@ -10,7 +10,7 @@ against the torch drafter) and ``calibrate.py`` (its calibration runner); what t
 the manifest the family wrote and picks its drafter class by ``drafter.family``.
 
 Adding a family: one folder here (the four modules above, its object listed in :func:`_registry`) and its runtime
-model (the torch module in runtime/models/, the ONNX Runtime drafter class in runtime/ort_engines.py
+model (the torch module in runtime/models/, the ONNX Runtime drafter class in runtime/backends/ort.py
 ``ORT_DRAFTERS``, the preset ref_keys in plugins/rule.py ``FAMILY_REF_KEYS``), as vLLM keeps one proposer module
 per method.
 """

@@ -81,6 +81,17 @@ class DrafterFamily(abc.ABC):
         """Whether ``--fused-attention`` can fuse this drafter's attentions."""
         return self.fused_attention
 
+    def validate_fused(self, fused: Path, portable: Path, io: dict, config, profile, embed: np.ndarray,
+                       lm_head: np.ndarray) -> dict:
+        """The fused drafter graph (export/fuse.py, ``sharpdraft::QueryScaledAttention`` nodes) against the portable
+        one on identical inputs; returns the manifest's ``validation.drafter_fused`` entry.
+
+        Raises:
+            ValidationError: the two graphs disagree beyond export/checks.py's bound.
+            NotImplementedError: the family has no fused form (:attr:`fused_attention` False).
+        """
+        raise NotImplementedError(f"{self.family.value} drafters have no fused attention graph")
+
     @abc.abstractmethod
     def export_graphs(self, drafter, k: int, frozen: Path, out_root: Path, drafter_kv_io: str) -> tuple[dict, dict]:
         """Export the drafter graph (before the query-scale rewrite) to ``frozen``.

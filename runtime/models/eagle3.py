@@ -36,7 +36,7 @@ from torch import nn
 from plugins.rule import Family
 from runtime.models import attention_probe
 from runtime.models.checkpoint_io import CheckpointError, check_finite, check_state
-from runtime.models.dflash import ROPE_TYPES, DFlashMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_type_of
+from runtime.models.layers import ROPE_TYPES, RMSNorm, SwiGLUMLP, apply_rope, rope_cos_sin, rope_inv_freq, rope_type_of
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -173,7 +173,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.self_attn = Eagle3Attention(cfg)
-        self.mlp = DFlashMLP(cfg)  # the same SwiGLU (hidden_size, intermediate_size)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

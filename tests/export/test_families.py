@@ -4,7 +4,7 @@ import pytest
 from export.errors import ExportError
 from export.families import FAMILIES, DrafterFamily, get_family
 from plugins.rule import FAMILY_REF_KEYS, Family
-from runtime.ort_engines import ORT_DRAFTERS, ort_drafter_class
+from runtime.backends.ort import ORT_DRAFTERS, ort_drafter_class
 
 
 def test_every_family_has_an_object_a_preset_and_a_runtime_class():

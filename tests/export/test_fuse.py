@@ -12,7 +12,8 @@ import torch
 from export.fuse import DOMAIN, OP_TYPE, FusionError, fuse_attention, fuse_file, node_attributes, profile_of
 from export.families.dflash.graph import export_drafter
 from export.rewrite import rewrite_file
-from export.validate import ValidationError, validate_fused_drafter
+from export.families.dflash.validate import validate_fused_drafter
+from export.validate import ValidationError
 from plugins.rule import QueryScaleProfile
 from runtime.models.dflash import load_dflash
 

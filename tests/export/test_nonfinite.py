@@ -94,9 +94,9 @@ class _NanSession:
 
 
 def _inject(monkeypatch, graph: str, which: int = 0):
-    import runtime.ort_engines as ort_engines
+    import runtime.backends.ort as ort_backend
 
-    real, real_shared = checks.session, ort_engines.run_shared
+    real, real_shared = checks.session, ort_backend.run_shared
 
     def session(path):
         s = real(path)
@@ -108,7 +108,7 @@ def _inject(monkeypatch, graph: str, which: int = 0):
         return tuple(out)
 
     monkeypatch.setattr(checks, "session", session)
-    monkeypatch.setattr(ort_engines, "run_shared", run_shared)
+    monkeypatch.setattr(ort_backend, "run_shared", run_shared)
 
 
 @pytest.mark.parametrize("family, graph, which, precision, needle", [

@@ -128,3 +128,43 @@ def test_query_scale_acts_after_q_norm(tiny_dflash_dir):
     h_proj, _ = d(emb, th, pos)
     torch.testing.assert_close(h_proj, h0, atol=1e-5, rtol=1e-5)
     assert (h_beta - h0).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("per_query", [False, True], ids=["per-key mask", "per-query window mask"])
+def test_grouped_attention_equals_repeated_heads(tiny_dflash_dir, tmp_path, per_query):
+    """The eager attention folds grouped-query heads into the query rows for every mask shape (no K/V repeated per
+    head in the exported graph): equal to the textbook form with K/V repeated per head (repeat_interleave) under a
+    per-key mask and under a sliding layer's per-query mask."""
+    from runtime.models.layers import apply_rope, rope_cos_sin
+
+    drafter = load_dflash(write_tiny_dflash(tmp_path / "swa", sliding_window=5) if per_query else tiny_dflash_dir)
+    attn = drafter.layers[0].self_attn
+    torch.manual_seed(0)
+    b, blk, ctx_len, cfg = 2, 4, 9, drafter.config
+    h = torch.randn(b, blk, cfg.hidden_size)
+    ctx_k = torch.randn(b, cfg.num_key_value_heads, ctx_len, cfg.head_dim)
+    ctx_v = torch.randn(b, cfg.num_key_value_heads, ctx_len, cfg.head_dim)
+    pos = torch.arange(ctx_len, ctx_len + blk)[None].expand(b, -1)
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)
+    key_mask = torch.ones(b, ctx_len + blk, dtype=torch.bool)
+    key_mask[1, 6:ctx_len] = False  # a right-padded row: a hole in its cache
+    if per_query:
+        key_pos = torch.arange(ctx_len + blk)[None].expand(b, -1)
+        mask = drafter.window_mask(key_pos, pos, 5, key_mask[:, None, None, :])
+        assert mask.shape == (b, 1, blk, ctx_len + blk) and not bool((mask == mask[:, :, :1]).all())
+    else:
+        mask = key_mask[:, None, None, :]
+    with torch.no_grad():
+        got = attn(h, ctx_k, ctx_v, cos, sin, mask)
+        # reference: the same projections, K/V repeated per head, one softmax per head
+        heads = lambda x, n: x.view(b, blk, n, cfg.head_dim).transpose(1, 2)  # noqa: E731
+        q = apply_rope(attn.q_norm(heads(attn.q_proj(h), cfg.num_attention_heads)), cos, sin)
+        k = torch.cat([ctx_k, apply_rope(attn.k_norm(heads(attn.k_proj(h), cfg.num_key_value_heads)), cos, sin)], 2)
+        v = torch.cat([ctx_v, heads(attn.v_proj(h), cfg.num_key_value_heads)], 2)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * attn.scaling
+        scores = scores.masked_fill(~mask, float("-inf"))
+        ref = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, blk, -1)
+        ref = attn.o_proj(ref)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

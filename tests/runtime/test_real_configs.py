@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.models.checkpoint_io import CheckpointError
-from runtime.models.dflash import DFlashConfig, rope_inv_freq
+from runtime.models.dflash import DFlashConfig
+from runtime.models.layers import rope_inv_freq
 from runtime.models.eagle3 import Eagle3Config, load_eagle3
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"

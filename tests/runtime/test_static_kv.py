@@ -74,7 +74,7 @@ def test_static_graph_validates_and_equals_the_concat_graph(tiny_model, tmp_path
     K/V through their runtime caches, with prefill chunked in 3s and a rollback between steps."""
     from export.graphs import export_target
     from export.validate import validate_target
-    from runtime.ort_engines import OrtTarget
+    from runtime.backends.ort import OrtTarget
 
     cfg = tiny_model.config
     outs = {}
@@ -106,7 +106,7 @@ def test_static_graph_validates_and_equals_the_concat_graph(tiny_model, tmp_path
 
 def test_static_ragged_batch_equals_solo_rows(tiny_model, tmp_path):
     from export.graphs import export_target
-    from runtime.ort_engines import OrtTarget
+    from runtime.backends.ort import OrtTarget
 
     cfg = tiny_model.config
     io = export_target(tiny_model, [0], tmp_path / "t" / "model.onnx", kv_io="static")
@@ -163,7 +163,7 @@ def test_static_drafter_equals_concat_drafter_over_ragged_steps(tiny_engines, co
     """The static-KV drafter graph drafts what the concat one does, step after step, solo and in ragged batches,
     and a step within capacity re-allocates no buffer."""
     from runtime.manifest import load_manifest
-    from runtime.ort_engines import OrtDFlashDrafter
+    from runtime.backends.ort import OrtDFlashDrafter
 
     drafters = {name: OrtDFlashDrafter(path, load_manifest(path), device="cpu", threads=1)
                 for name, path in (("static", tiny_engines), ("concat", concat_engines))}

@@ -1,4 +1,4 @@
-"""The torch backend (runtime/torch_engines.py) on the real default pair, and its fused-attention drafter.
+"""The torch backend (runtime/backends/pytorch.py) on the real default pair, and its fused-attention drafter.
 
 - Speculative greedy decoding through ``SpecEngine.from_dir(..., backend="torch")`` equals torch target-only greedy
   decoding token for token on real prompts, and the drafter really drafts (MAL above an untrained drafter's ~1.0).
@@ -91,7 +91,7 @@ def solo(engine, prompts):
 
 @needs_gguf
 def test_backend_types(engine):
-    from runtime.torch_engines import TorchDFlashDrafter, TorchTarget
+    from runtime.backends.pytorch import TorchDFlashDrafter, TorchTarget
 
     assert isinstance(engine.target, TorchTarget) and isinstance(engine.drafter, TorchDFlashDrafter)
     assert engine.drafter.model.attention_impl == "fused"
@@ -182,7 +182,7 @@ def _check_fused_vs_eager(drafter, eager, rows: list[np.ndarray], splits: list[i
 @needs_gguf
 def test_fused_drafter_equals_eager_at_beta_above_one(engine, prompts):
     from runtime.models.dflash import load_dflash
-    from runtime.torch_engines import TorchDFlashDrafter
+    from runtime.backends.pytorch import TorchDFlashDrafter
 
     fused = TorchDFlashDrafter.load(CHECKPOINT, engine.target, SMALL_PROFILE, device="cpu")
     eager = load_dflash(CHECKPOINT)
@@ -196,7 +196,7 @@ def test_fused_drafter_triton_interpreter_tiny(tmp_path, monkeypatch):
     """The same check with the Triton kernel (Triton's interpreter on CPU) behind the op, on a tiny drafter."""
     import plugins.triton_attention as ta
     from runtime.models.dflash import load_dflash
-    from runtime.torch_engines import TorchDFlashDrafter
+    from runtime.backends.pytorch import TorchDFlashDrafter
 
     ckpt = write_tiny_dflash(tmp_path / "tiny", block_size=4)
     g = torch.Generator().manual_seed(3)
@@ -225,7 +225,7 @@ def test_fused_sliding_layers_equal_the_eager_window_mask(tmp_path, monkeypatch,
     equals the eager drafter (window mask, beta counted from it) on ragged draft calls with a padded cache and a row
     switched off; with the torch reference and with the Triton kernel under its interpreter."""
     from runtime.models.dflash import load_dflash
-    from runtime.torch_engines import TorchDFlashDrafter
+    from runtime.backends.pytorch import TorchDFlashDrafter
 
     ckpt = write_tiny_dflash(tmp_path / "swa", block_size=4, sliding_window=8)
     g = torch.Generator().manual_seed(5)
@@ -256,7 +256,7 @@ def test_attention_impl_options(tmp_path):
     """The hook's contract on a tiny drafter: eager is the default; the torch drafter's eager mode (beta computed
     from the key mask in Python) equals its fused mode; misuse is refused."""
     from runtime.models.dflash import load_dflash
-    from runtime.torch_engines import TorchDFlashDrafter
+    from runtime.backends.pytorch import TorchDFlashDrafter
 
     ckpt = write_tiny_dflash(tmp_path / "tiny", block_size=4)
     assert load_dflash(ckpt).attention_impl == "eager"

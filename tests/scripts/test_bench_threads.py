@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from runtime.ort_engines import session_options
+from runtime.backends.ort import session_options
 from tests.conftest import ROOT
 
 

@@ -6,7 +6,7 @@ import random
 import torch
 
 from training.metrics import accept_len
-from training.pard import K, PardDrafter, cod_depths, pard_forward, pard_layout, slot_table
+from training.pard import K, PardTrainingModel, cod_depths, pard_forward, pard_layout, slot_table
 
 
 def _rows(lay):
@@ -54,7 +54,7 @@ def _tiny():
                       head_dim=8, intermediate_size=64, vocab_size=50, max_position_embeddings=64,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)
     torch.manual_seed(0)
-    d = PardDrafter(cfg)
+    d = PardTrainingModel(cfg)
     for p in d.parameters():
         torch.nn.init.normal_(p, std=0.3)
     table = torch.randn(50, 32)

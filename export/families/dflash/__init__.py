@@ -94,6 +94,11 @@ class DFlashFamily(DrafterFamily):
 
         return export_drafter(drafter, frozen, kv_io=drafter_kv_io), {}
 
+    def validate_fused(self, fused, portable, io, config, profile, embed, lm_head):
+        from export.families.dflash.validate import validate_fused_drafter
+
+        return validate_fused_drafter(fused, portable, io, config, profile, embed, lm_head)
+
     def validate(self, drafter, k, path, io, profile, embed, lm_head, draft_ids):
         from export.families.dflash.validate import validate_drafter
 

@@ -23,7 +23,7 @@ class DFlashRunner:
     def prepare(self, ids: list[int]) -> dict:
         t = torch.tensor(ids, dtype=torch.long)
         pred, feats = target_pass(self.target, t, [i + 1 for i in self.d.config.target_layer_ids])
-        from runtime.models.dflash import rope_cos_sin
+        from runtime.models.layers import rope_cos_sin
 
         with torch.no_grad():
             ctx = self.d.project_context(feats)

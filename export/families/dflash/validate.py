@@ -1,4 +1,5 @@
-"""The DFlash drafter graph against the torch drafter (export/checks.py's bound), moved from export/validate.py."""
+"""The DFlash drafter graph against the torch drafter, and the fused drafter graph (``--fused-attention``) against
+the portable one, within export/checks.py's bound."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -133,3 +134,65 @@ def validate_drafter(drafter: DFlashDrafter, path: Path, io: dict, profile: Quer
         out["switched_off"] = check(frozen, logits[0], n_keys)
         check(c, logits[1], n_keys)
     return out
+
+
+def validate_fused_drafter(fused: Path, portable: Path, io: dict, cfg, profile: QueryScaleProfile,
+                           embed: np.ndarray, lm_head: np.ndarray, seed: int = 0) -> dict:
+    """Check the fused drafter graph (``sharpdraft::QueryScaledAttention`` nodes, export/fuse.py) against the
+    portable one (beta subgraph + ``Mul`` on Q, already validated against torch) on identical inputs.
+
+    The fused node runs as an ONNX Runtime Python op calling the torch reference (plugins/ort_op.py). Calls: one row
+    at N = 100 and one at N = 4 ref, then one ragged batch with rows at N = 4 ref and ref - 1 (row 2's cache is
+    right-padded: a hole in its key mask). ``beta_effect_on_logits`` (portable graph with the scale on vs off) shows
+    that the comparison would see a wrong beta.
+
+    Returns:
+        ``{"atol", "rtol", "points": [{num_keys, max_abs_diff_logits, beta_effect_on_logits, bound}]}``.
+    Raises:
+        ValidationError: a point exceeds :func:`drafter_bound`.
+        ImportError: onnxruntime-extensions is not installed.
+    """
+    from plugins.ort_op import session as fused_session
+
+    rng = np.random.default_rng(seed)
+    sess_fused, sess_port = fused_session(fused), checks.session(portable)
+    blk, ctx = cfg.block_size, 3
+    f = len(cfg.target_layer_ids) * cfg.hidden_size
+    past_names = [n for n in io["inputs"] if n.startswith("past_")]
+    fused_inputs = {i.name for i in sess_fused.get_inputs()}
+
+    def feed(n_keys: list[int]) -> dict:
+        lens = [n - ctx - blk for n in n_keys]
+        l_max, b = max(lens), len(n_keys)
+        ids = np.full((b, blk), cfg.mask_token_id, np.int64)
+        ids[:, 0] = rng.integers(0, cfg.vocab_size, b)
+        pos, mask = dflash_block(lens, [ctx] * b, l_max, blk)
+        out = {"input_ids": ids, "target_hidden": rng.standard_normal((b, ctx, f), np.float32) * 3,
+               "position_ids": pos, "attention_mask": mask, "embed_weight": embed, "lm_head_weight": lm_head,
+               "draft_slots": np.arange(1, blk, dtype=np.int64)}
+        for name in past_names:
+            buf = rng.standard_normal((b, cfg.num_key_value_heads, l_max, cfg.head_dim), np.float32)
+            out[name] = buf * mask[:, None, :l_max, None].astype(np.float32)
+        return out
+
+    points = []
+    for n_keys in ([100], [4 * profile.ref_keys], [4 * profile.ref_keys, max(profile.ref_keys - 1, ctx + blk + 1)]):
+        x = feed(n_keys)
+        port_in = {k: v for k, v in x.items()}
+        has_switch = "query_scale_enabled" in io["inputs"]
+        if has_switch:
+            port_in["query_scale_enabled"] = np.ones(len(n_keys), np.float32)
+        (want,) = sess_port.run(["logits"], port_in)
+        (got,) = sess_fused.run(["logits"], {k: v for k, v in x.items() if k in fused_inputs})
+        effect = None
+        if has_switch:
+            (frozen,) = sess_port.run(["logits"], {**port_in, "query_scale_enabled": np.zeros(len(n_keys), np.float32)})
+            effect = float(np.abs(want - frozen).max())
+        diff = max_abs_diff(got, want, f"fused drafter graph {fused} logits at N={n_keys}")
+        bound = drafter_bound(want, n_keys)
+        if not within(diff, bound):
+            raise ValidationError(f"fused drafter graph {fused} disagrees with the portable graph at N={n_keys}: "
+                                  f"max abs logit diff {diff:.3g} > {bound:.3g}")
+        points.append({"num_keys": n_keys, "max_abs_diff_logits": diff, "beta_effect_on_logits": effect,
+                       "bound": bound})
+    return {"atol": DRAFTER_ATOL, "rtol": DRAFTER_RTOL, "points": points}

@@ -1,6 +1,6 @@
 """PyTorch backends of the speculative loop: the HF target and the DFlash drafter on the fused attention op.
 
-Same duck-typed interface as runtime/ort_engines.py (see runtime/engine.py), so :class:`runtime.engine.SpecEngine`
+Same duck-typed interface as runtime/backends/ort.py (see runtime/engine.py), so :class:`runtime.engine.SpecEngine`
 drives either. The drafter's attention runs through ``torch.ops.sharpdraft.query_scaled_attention``
 (plugins/torch_op.py; ``attention_impl="fused"`` of runtime/models/dflash.py), which computes beta(N) itself per
 row from the visible keys: on CPU its torch reference, on CUDA the Triton kernel, and with

@@ -1,6 +1,6 @@
 """What the loop (runtime/engine.py) needs of a target and a drafter backend, as typed Protocols.
 
-Implemented by runtime/ort_engines.py (ONNX Runtime graphs), runtime/torch_engines.py (PyTorch) and the scripted
+Implemented by runtime/backends/ort.py (ONNX Runtime graphs), runtime/backends/pytorch.py (PyTorch) and the scripted
 backends of tests/runtime/scripted.py. :func:`check_backend` refuses an object that lacks a member, naming it,
 instead of the loop falling back to a default deep inside a step.
 """
@@ -29,7 +29,7 @@ class TargetBackend(Protocol):
 
 
 class DrafterBackend(Protocol):
-    """A drafter of one family (runtime/ort_engines.py ``ORT_DRAFTERS``)."""
+    """A drafter of one family (runtime/backends/ort.py ``ORT_DRAFTERS``)."""
 
     vocab_size: int
     num_draft_tokens: int  # K, drafted per call
@@ -57,4 +57,4 @@ def check_backend(obj: Any, protocol: type) -> None:
     missing = [n for n in names if not hasattr(obj, n)]
     if missing:
         raise TypeError(f"{type(obj).__name__} is not a {protocol.__name__}: it lacks {', '.join(missing)} "
-                        "(runtime/backends.py)")
+                        "(runtime/backends/protocols.py)")
