@@ -9,7 +9,9 @@ take the first 4096 tokens of each document instead, which end past 3500). Confi
 all contexts: vLLM target-only, vLLM + ngram, vLLM + each drafter exported by ``sharpdraft-export-vllm`` with the
 scale on and off (the plugin's classes). sharpdraft's side: ``--engine`` folders (for example the default int4
 engines/ and an fp32 export of the same drafter) with the scale on and off, drafter alone (no prompt lookup), every
-draft token verified. Weights: vLLM runs fp32 torch; sharpdraft runs whatever each engines folder holds.
+draft token verified. Weights: vLLM runs fp32 torch; sharpdraft runs whatever each engines folder holds. Speed: decode
+tokens/s from the first generated token to the last (vLLM's engine-core timestamps; sharpdraft's ``decode_s``), so
+prefill, which differs most between the two, is left out; end-to-end tokens/s is kept in the JSON beside it.
 
 The helpers :func:`run_vllm` and :func:`run_sharpdraft` are what tests/vllm uses.
 """
@@ -23,6 +25,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from runtime.ort_threads import THREAD_POOL_ENV, THREAD_POOLS
+from runtime.ort_threads import apply as apply_thread_pool
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -74,13 +79,14 @@ def run_sharpdraft(engine_dir: Path, prompts: list[list[int]], max_new_tokens: i
     from runtime.sampling import SamplingParams
 
     engine = _engine(engine_dir, backend)
-    outputs, drafts, accepted, seconds = [], 0, [], 0.0
+    outputs, drafts, accepted, seconds, decode_s = [], 0, [], 0.0, 0.0
     for ids in prompts:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, num_draft_tokens=draft_tokens,
                                 query_scale=query_scale, ignore_eos=ignore_eos)
         t = time.perf_counter()
         r = engine.generate_target_only(ids, params=params) if target_only else engine.generate(ids, params=params)
         seconds += time.perf_counter() - t
+        decode_s += r.stats.decode_s  # after the first token (prefill excluded), as vLLM's first-to-last token
         outputs.append(list(r.token_ids))
         if not target_only:
             drafts += r.stats.rounds
@@ -90,7 +96,8 @@ def run_sharpdraft(engine_dir: Path, prompts: list[list[int]], max_new_tokens: i
     return {"outputs": outputs, "num_drafts": drafts, "accepted_per_pos": accepted,
             "mal": 1 + sum(accepted) / drafts if drafts else None,
             "acceptance_per_pos": [a / drafts for a in accepted] if drafts else [],
-            "new_tokens": new, "generate_s": seconds, "tokens_per_s": new / seconds if seconds else None}
+            "new_tokens": new, "generate_s": seconds, "tokens_per_s": new / seconds if seconds else None,
+            "decode_s": decode_s, "decode_tokens_per_s": (new - len(outputs)) / decode_s if decode_s else None}
 
 
 _ENGINES: dict = {}
@@ -113,7 +120,7 @@ def torch_dflash_engine(checkpoint: Path):
     from plugins.rule import QueryScaleProfile
     from runtime.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
     from runtime.engine import SpecEngine
-    from runtime.torch_engines import TorchDFlashDrafter, TorchTarget
+    from runtime.backends.pytorch import TorchDFlashDrafter, TorchTarget
 
     cfg = json.loads((Path(checkpoint) / "config.json").read_text())
     target = TorchTarget.load(None, cfg["dflash_config"]["target_layer_ids"], "cpu")
@@ -144,23 +151,26 @@ def heldout_documents(context: int) -> dict[str, list[int]]:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
+    """Two panels per configuration and context: MAL (bonus included) and decode tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = sorted({r["config"] for r in rows if r.get("mal")})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     contexts = sorted({r["context"] for r in rows})
     width = 0.8 / max(len(contexts), 1)
-    for j, c in enumerate(contexts):
-        vals = [next((r["mal"] for r in rows if r["config"] == lab and r["context"] == c and r.get("mal")), 0)
-                for lab in labels]
-        ax.bar([i + j * width for i in range(len(labels))], vals, width, label=f"{c} tokens")
-    ax.set_xticks([i + width * (len(contexts) - 1) / 2 for i in range(len(labels))], labels, rotation=30,
-                  ha="right", fontsize=7)
-    ax.set_ylabel("MAL (bonus included)")
-    ax.legend()
+    for ax, key, ylabel in ((axes[0], "mal", "MAL (bonus included)"),
+                            (axes[1], "decode_tokens_per_s", "decode tokens/s (prefill excluded)")):
+        labels = sorted({r["config"] for r in rows if r.get(key)})
+        for j, c in enumerate(contexts):
+            vals = [next((r[key] for r in rows if r["config"] == lab and r["context"] == c and r.get(key)), 0)
+                    for lab in labels]
+            ax.bar([i + j * width for i in range(len(labels))], vals, width, label=f"{c} tokens")
+        ax.set_xticks([i + width * (len(contexts) - 1) / 2 for i in range(len(labels))], labels, rotation=35,
+                      ha="right", fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -178,6 +188,8 @@ def main() -> None:
                    help="comma-separated held-out document names (default: all six), e.g. hamlet_gut,argparse.py")
     p.add_argument("--draft-tokens", type=int, default=7,
                    help="sharpdraft side: draft tokens verified per round (7 = the whole DFlash block, as vLLM's k)")
+    p.add_argument("--thread-pool", choices=THREAD_POOLS, default=os.environ.get(THREAD_POOL_ENV, "shared"),
+                   help="sharpdraft side's ONNX Runtime pool (runtime/ort_threads.py); vLLM runs in its own process")
     a = p.parse_args()
     from export.vllm_export import run as export_vllm
     from runtime.models.target import resolve_target
@@ -211,26 +223,32 @@ def main() -> None:
                 rows.append({"config": name, "context": c, "error": r.get("error")})
                 continue
             rows.append({"config": name, "context": c, "mal": g["mal"], "acceptance": g["acceptance_per_pos"],
-                         "tokens_per_s": g["tokens_per_s"], "lossless": g["outputs"] == base[str(c)]["outputs"]})
+                         "tokens_per_s": g["tokens_per_s"], "decode_tokens_per_s": g.get("decode_tokens_per_s"),
+                         "lossless": g["outputs"] == base[str(c)]["outputs"]})
+    if a.engine:
+        apply_thread_pool(a.thread_pool)
     for spec in a.engine:
         name, _, rest = spec.partition("=")
         folder, _, backend = rest.partition(":")
         for c in contexts:
             tgt = run_sharpdraft(Path(folder), prompts[str(c)], a.new_tokens, backend=backend or "onnxruntime",
                                  target_only=True, ignore_eos=True)
-            rows.append({"config": f"sharpdraft {name} target-only", "context": c, "tokens_per_s": tgt["tokens_per_s"]})
+            rows.append({"config": f"sharpdraft {name} target-only", "context": c, "tokens_per_s": tgt["tokens_per_s"],
+                         "decode_tokens_per_s": tgt["decode_tokens_per_s"]})
             for on in (True, False):
                 r = run_sharpdraft(Path(folder), prompts[str(c)], a.new_tokens, backend=backend or "onnxruntime",
                                    query_scale=on, draft_tokens=a.draft_tokens, ignore_eos=True)
                 rows.append({"config": f"sharpdraft {name} scale {'on' if on else 'off'}", "context": c,
                              "mal": r["mal"], "acceptance": r["acceptance_per_pos"],
-                             "tokens_per_s": r["tokens_per_s"], "lossless": r["outputs"] == tgt["outputs"]})
+                             "tokens_per_s": r["tokens_per_s"], "decode_tokens_per_s": r["decode_tokens_per_s"],
+                             "lossless": r["outputs"] == tgt["outputs"]})
     (a.out / "bench_vllm.json").write_text(json.dumps({"contexts": contexts, "new_tokens": a.new_tokens,
                                                         "rows": rows}, indent=1))
     _plot(rows, a.out / "bench_vllm.png")
     for r in rows:
         mal = f"MAL {r['mal']:.3f}" if r.get("mal") else "         "
-        tps = f"{r['tokens_per_s']:6.1f} tokens/s" if r.get("tokens_per_s") else r.get("error", "")
+        tps = (f"{r['tokens_per_s']:6.1f} tokens/s end to end, {r['decode_tokens_per_s'] or 0:6.1f} decode"
+               if r.get("tokens_per_s") else r.get("error", ""))
         print(f"{r['config']:34s} ctx {r['context']:5d}  {mal}  {tps}  "
               f"{'' if r.get('lossless', True) else 'NOT LOSSLESS'}")
 

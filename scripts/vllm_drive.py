@@ -50,23 +50,36 @@ def run_one(target: str, run: dict, max_model_len: int) -> dict:
     res = {"name": run["name"], "load_s": load_s, "groups": {}}
     before = _spec_counters(llm)
     for group, prompts in groups.items():  # counters are cumulative per engine: each group gets the difference
-        outputs, decode_s = [], 0.0
+        outputs, generate_s, decode_s = [], 0.0, 0.0
         for ids in prompts:  # one request at a time: per-request latency, as the single-stream benches
             t = time.perf_counter()
             o = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-            decode_s += time.perf_counter() - t
+            generate_s += time.perf_counter() - t
             outputs.append(list(o.outputs[0].token_ids))
+            # decode = first token to last token, the engine core's own timestamps (RequestStateStats, kept
+            # because disable_log_stats=False): prefill and the first token excluded, as runtime/benchmarking.py
+            decode_s += _decode_seconds(o)
         after = _spec_counters(llm)
         g = _difference(after, before)
         before = after
-        g.update(outputs=outputs, generate_s=decode_s, new_tokens=sum(map(len, outputs)))
-        g["tokens_per_s"] = g["new_tokens"] / decode_s if decode_s else None
+        g.update(outputs=outputs, generate_s=generate_s, decode_s=decode_s, new_tokens=sum(map(len, outputs)))
+        g["tokens_per_s"] = g["new_tokens"] / generate_s if generate_s else None  # end to end, prefill included
+        decoded = g["new_tokens"] - len(outputs)  # the first token of each request comes from prefill
+        g["decode_tokens_per_s"] = decoded / decode_s if decode_s > 0 else None
         res["groups"][group] = g
     if not isinstance(run["prompts"], dict):
         res.update(res.pop("groups")["all"])
     del llm
     gc.collect()
     return res
+
+
+def _decode_seconds(output) -> float:
+    """Seconds from a request's first generated token to its last (vLLM v1 ``RequestStateStats``); 0.0 when vLLM
+    kept no stats for it (one token generated, or stats disabled)."""
+    m = getattr(output, "metrics", None)
+    first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+    return max(last - first, 0.0) if first and last else 0.0
 
 
 def _difference(after: dict, before: dict) -> dict:
