@@ -5,7 +5,8 @@ same contract?
 
 Graphs (every ``*.onnx`` under the folder): equal as ONNX protobufs once the exporter's debugging metadata is set
 aside (per-node ``metadata_props``: torch.onnx's stack traces name the source file and line, so the same code
-exported from two checkouts differs there; ``doc_string``s), with identical external-data files byte for byte.
+exported from two checkouts differs there; ``doc_string``s; ``producer_version``, which the model builder stamps
+with the checkout's git commit), with identical external-data files byte for byte.
 Manifests: equal apart from ``created`` and the checkpoint path, and the graph entries' sha256 of the ``.onnx``
 files themselves (which carry that metadata). Exit status 0 when the folders match, 1 with one line per
 difference otherwise.
@@ -34,6 +35,7 @@ def _graph_bytes(path: Path) -> bytes:
             x.doc_string = ""
     del model.metadata_props[:]
     model.graph.doc_string = model.doc_string = ""
+    model.producer_version = ""  # the model builder stamps it with the checkout's git commit
     return model.SerializeToString(deterministic=True)
 
 
