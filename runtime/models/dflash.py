@@ -403,27 +403,27 @@ class DFlashAttention(nn.Module):
                                if profile is not None else torch.ones(b, 1, 1, 1),
                                None if rows_on is None else rows_on.float())
             q = q * beta.to(q.dtype)
-        rep = self.nh // self.nkv
-        if attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[2] == 1):
-            return self.o_proj(self._grouped(q, k, v, attn_mask))
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        scores = _masked(torch.matmul(q, k.transpose(-1, -2)) * self.scaling, attn_mask)  # [b, heads, B, s + B]
-        attention_probe.emit(self, scores)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
-        return self.o_proj(out)
+        return self.o_proj(self._grouped(q, k, v, attn_mask))
 
     def _grouped(self, q, k, v, attn_mask):
-        """Eager attention with grouped-query heads folded into the query rows (inference: a per-key mask).
+        """Eager attention with grouped-query heads folded into the query rows.
 
         q ``[b, heads, B, hd]`` -> ``[b, kv_heads, groups * B, hd]`` against k/v ``[b, kv_heads, keys, hd]``, so
         K/V are read once per KV head and never repeated per head (in the exported graph: no ``Expand`` of the
-        cache, a third of the reads). ``attn_mask``: None or ``[b, 1, 1, keys]`` bool/additive. Same result as
-        the repeated form. Returns ``[b, B, heads * hd]`` before ``o_proj``.
+        cache, a third of the reads). ``attn_mask``: None, a per-key ``[b, 1, 1, keys]`` or a per-query
+        ``[b, 1, B, keys]`` mask (a sliding layer's window), bool or additive; a per-query mask is repeated over
+        the groups (``[b, 1, groups * B, keys]``: the small mask is copied, not the cache). Same result as the
+        repeated form (tests/runtime/test_dflash_model.py). Returns ``[b, B, heads * hd]`` before ``o_proj``.
         """
         b, _, q_len, _ = q.shape
-        qg = q.reshape(b, self.nkv, (self.nh // self.nkv) * q_len, self.hd)
+        groups = self.nh // self.nkv
+        qg = q.reshape(b, self.nkv, groups * q_len, self.hd)
+        if attn_mask is not None and attn_mask.dim() < 4:  # broadcastable to [b, 1, B, keys]: make it 4-d
+            attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]
+        if attn_mask is not None and attn_mask.shape[2] != 1:
+            m = attn_mask.expand(b, 1, q_len, attn_mask.shape[-1])  # row g * B + t of a KV head: query t's mask
+            attn_mask = m[:, :, None].expand(b, 1, groups, q_len, m.shape[-1]).reshape(b, 1, groups * q_len,
+                                                                                       m.shape[-1])
         scores = _masked(torch.matmul(qg, k.transpose(-1, -2)) * self.scaling, attn_mask)  # [b, kv, g * B, keys]
         if attention_probe.active():
             attention_probe.emit(self, scores.reshape(b, self.nh, q_len, scores.shape[-1]))
