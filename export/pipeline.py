@@ -306,6 +306,8 @@ def run_export(cfg: ExportConfig) -> dict:
                                              tables, draft_ids))
         del quant_context
         log.info("exporting drafter ...")
+        if cfg.fused_attention:  # the graph form export/fuse.py matches (same math; DFlash's sliding layers)
+            fam.prepare_for_fusion(drafter)
         drafter_io, extra_io = fam.export_graphs(drafter, k, scratch / "frozen.onnx", tmp, cfg.drafter_kv_io)
         switch = "query_scale_enabled" if profile.enabled else None
         counts = rewrite_file(scratch / "frozen.onnx", tmp / "drafter" / "model.onnx", profile,

@@ -81,6 +81,10 @@ class DrafterFamily(abc.ABC):
         """Whether ``--fused-attention`` can fuse this drafter's attentions."""
         return self.fused_attention
 
+    def prepare_for_fusion(self, drafter) -> None:
+        """Put the torch drafter in the graph form export/fuse.py matches, before ``--fused-attention`` exports it
+        (default: nothing to change)."""
+
     def validate_fused(self, fused: Path, portable: Path, io: dict, config, profile, embed: np.ndarray,
                        lm_head: np.ndarray) -> dict:
         """The fused drafter graph (export/fuse.py, ``sharpdraft::QueryScaledAttention`` nodes) against the portable

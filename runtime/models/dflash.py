@@ -341,6 +341,10 @@ class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig, attention_impl: str = "eager"):
         super().__init__()
         self.attention_impl = _check_impl(attention_impl)
+        # eager path under a per-query mask (a sliding layer): True folds grouped-query heads into the query rows
+        # (no K/V copy per head: the exported default drafter); False repeats K/V per head, the graph form
+        # export/fuse.py matches for --fused-attention (its op anchors each query row's window at its position)
+        self.fold_per_query_masks = True
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.nh, self.nkv, self.hd = nh, nkv, hd
         self.scaling = hd ** -0.5
@@ -403,6 +407,14 @@ class DFlashAttention(nn.Module):
                                if profile is not None else torch.ones(b, 1, 1, 1),
                                None if rows_on is None else rows_on.float())
             q = q * beta.to(q.dtype)
+        per_query = attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[2] != 1
+        if per_query and not self.fold_per_query_masks:  # the form export/fuse.py matches (window per query row)
+            rep = self.nh // self.nkv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            scores = _masked(torch.matmul(q, k.transpose(-1, -2)) * self.scaling, attn_mask)  # [b, heads, B, keys]
+            attention_probe.emit(self, scores)
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            return self.o_proj(torch.matmul(probs, v).transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
         return self.o_proj(self._grouped(q, k, v, attn_mask))
 
     def _grouped(self, q, k, v, attn_mask):

@@ -130,8 +130,9 @@ def test_query_scale_acts_after_q_norm(tiny_dflash_dir):
     assert (h_beta - h0).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("per_query", [False, True], ids=["per-key mask", "per-query window mask"])
-def test_grouped_attention_equals_repeated_heads(tiny_dflash_dir, tmp_path, per_query):
+@pytest.mark.parametrize("per_query,fold", [(False, True), (True, True), (True, False)],
+                         ids=["per-key mask", "per-query window mask", "per-query, the fusable repeated form"])
+def test_grouped_attention_equals_repeated_heads(tiny_dflash_dir, tmp_path, per_query, fold):
     """The eager attention folds grouped-query heads into the query rows for every mask shape (no K/V repeated per
     head in the exported graph): equal to the textbook form with K/V repeated per head (repeat_interleave) under a
     per-key mask and under a sliding layer's per-query mask."""
@@ -139,6 +140,7 @@ def test_grouped_attention_equals_repeated_heads(tiny_dflash_dir, tmp_path, per_
 
     drafter = load_dflash(write_tiny_dflash(tmp_path / "swa", sliding_window=5) if per_query else tiny_dflash_dir)
     attn = drafter.layers[0].self_attn
+    attn.fold_per_query_masks = fold
     torch.manual_seed(0)
     b, blk, ctx_len, cfg = 2, 4, 9, drafter.config
     h = torch.randn(b, blk, cfg.hidden_size)

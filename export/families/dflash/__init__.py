@@ -94,6 +94,10 @@ class DFlashFamily(DrafterFamily):
 
         return export_drafter(drafter, frozen, kv_io=drafter_kv_io), {}
 
+    def prepare_for_fusion(self, drafter):
+        for layer in drafter.layers:  # sliding layers: K/V repeated per head, each query row its own window
+            layer.self_attn.fold_per_query_masks = False
+
     def validate_fused(self, fused, portable, io, config, profile, embed, lm_head):
         from export.families.dflash.validate import validate_fused_drafter
 
