@@ -75,6 +75,16 @@ def build_peer(hf_dir: Path, out: Path, precision: str) -> Path:
     return out
 
 
+def _timed_row(toks: list[int], stamps: list[float], t0: float) -> dict:
+    """A peer's row from its tokens and the time each arrived (``perf_counter``; ``t0``: the request's start):
+    prefill = time to the first token, decode = first to last token."""
+    prefill_s, end = stamps[0] - t0, stamps[-1]
+    decode_s = max(end - stamps[0], 1e-9)
+    return {"token_ids": toks, "new_tokens": len(toks), "prefill_s": round(prefill_s, 4),
+            "decode_s": round(decode_s, 4), "tokens_per_s": round(len(toks) / (end - t0), 3),
+            "decode_tokens_per_s": round((len(toks) - 1) / decode_s, 3)}
+
+
 def run_genai(model, ids: list[int], new_tokens: int) -> dict:
     """ORT GenAI's generator, greedy, exactly ``new_tokens`` tokens; prefill = time to the first token."""
     import onnxruntime_genai as og
@@ -90,11 +100,7 @@ def run_genai(model, ids: list[int], new_tokens: int) -> dict:
         gen.generate_next_token()
         toks.append(int(gen.get_next_tokens()[0]))
         stamps.append(time.perf_counter())
-    prefill_s, end = stamps[0] - t0, stamps[-1]
-    decode_s = max(end - stamps[0], 1e-9)
-    return {"token_ids": toks, "new_tokens": len(toks), "prefill_s": round(prefill_s, 4),
-            "decode_s": round(decode_s, 4), "tokens_per_s": round(len(toks) / (end - t0), 3),
-            "decode_tokens_per_s": round((len(toks) - 1) / decode_s, 3)}
+    return _timed_row(toks, stamps, t0)
 
 
 def load_llamacpp(gguf: Path, n_ctx: int, threads: int):
@@ -123,11 +129,7 @@ def run_llamacpp(llm, ids: list[int], new_tokens: int) -> dict:
         stamps.append(time.perf_counter())
         if len(toks) == new_tokens:
             break
-    prefill_s, end = stamps[0] - t0, stamps[-1]
-    decode_s = max(end - stamps[0], 1e-9)
-    return {"token_ids": toks, "new_tokens": len(toks), "prefill_s": round(prefill_s, 4),
-            "decode_s": round(decode_s, 4), "tokens_per_s": round(len(toks) / (end - t0), 3),
-            "decode_tokens_per_s": round((len(toks) - 1) / decode_s, 3)}
+    return _timed_row(toks, stamps, t0)
 
 
 def _llamacpp_version() -> str:

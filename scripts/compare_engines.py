@@ -13,12 +13,13 @@ difference otherwise.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
 import click
+
+from runtime.manifest import sha256_file
 
 
 def _graph_bytes(path: Path) -> bytes:
@@ -37,14 +38,6 @@ def _graph_bytes(path: Path) -> bytes:
     model.graph.doc_string = model.doc_string = ""
     model.producer_version = ""  # the model builder stamps it with the checkout's git commit
     return model.SerializeToString(deterministic=True)
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _manifest(folder: Path) -> dict:
@@ -84,7 +77,7 @@ def compare(first: Path, second: Path) -> list[str]:
         if rel.suffix == ".onnx":
             if _graph_bytes(first / rel) != _graph_bytes(second / rel):
                 out.append(f"{rel}: the graphs differ (nodes, initializers, inputs or outputs)")
-        elif rel.name != "export.log" and _sha(first / rel) != _sha(second / rel):
+        elif rel.name != "export.log" and sha256_file(first / rel) != sha256_file(second / rel):
             out.append(f"{rel}: the files differ")
     return out
 
